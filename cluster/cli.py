@@ -1,0 +1,252 @@
+"""The ``graftblock`` command line: one entry point, one sub-command per job.
+
+    graftblock bench     --methods vanilla,retrieval --dataset spec_bench --json OUT.json
+    graftblock bench     --verify-curve --json curve.json
+    graftblock generate  --method retrieval --prompt "..."
+    graftblock assets    (fetch and convert the packaged models and datasets)
+
+Every sub-command is also reachable as ``python -m cluster.cli <command>`` for ``ray job submit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from speculation.config import BenchConfig, ConfigError, DType, EngineConfig, SamplingConfig
+
+
+def _load_yaml(path: str | None) -> dict:
+    if not path:
+        return {}
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"--config: no such file {path!r}")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of method name -> options")
+    return data
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="packaged alias, HF id or local dir")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_tracking_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-mlflow", action="store_true", help="do not log this run to MLflow")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite:///<cwd>/mlflow.db)")
+    p.add_argument("--experiment", default="graftblock-bench", help="MLflow experiment name")
+
+
+def _load_target(model: str, dtype: str):
+    from speculation import assets
+    from speculation.target import TargetModel
+
+    dt = DType.parse(dtype)
+    model_obj, tokenizer = assets.load_model_and_tokenizer(model, dt.torch)
+    return TargetModel(model_obj, tokenizer)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from speculation import assets
+    from speculation.bench import report
+
+    console = Console(stderr=False)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.verify_curve:
+        return _verify_curve(args, console)
+    method_configs = _load_yaml(args.config)
+    cfg = BenchConfig(
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        model=args.model,
+        dtype=args.dtype,
+        dataset=args.dataset,
+        limit_per_category=args.limit_per_category,
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+        peers=tuple(p.strip() for p in (args.peers or "").split(",") if p.strip()),
+        warmup=args.warmup,
+        max_turns=args.max_turns,
+        threads=args.threads,
+    )
+    # Validate everything cheap before loading weights: methods, peers, dataset.
+    from speculation.bench.peers import parse_peers
+    from speculation.drafters import resolve_methods
+
+    resolve_methods(list(cfg.methods), method_configs)
+    parse_peers(",".join(cfg.peers))
+    questions = assets.load_questions(cfg.dataset, cfg.limit_per_category)
+    if not questions:
+        raise ConfigError(f"--dataset {cfg.dataset}: no questions")
+    target = _load_target(cfg.model, cfg.dtype.value)
+
+    from speculation.bench.runner import run_bench
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(questions), desc="bench", unit="q", file=sys.stderr)
+
+    def progress(done: int, total: int, cat: str) -> None:
+        bar.set_postfix_str(cat)
+        bar.update(1)
+
+    result = run_bench(cfg, target, questions, method_configs, progress)
+    bar.close()
+    report.render(result, console)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    for name, m in result["methods"].items():
+        if name == "vanilla":
+            continue
+        lossless = m["lossless"]
+        check = "token-identical to vanilla" if lossless is True else f"match rate {lossless}"
+        console.print(f"[bold]{name}[/]: speedup {m['speedup']:.2f}x, tau {m['tau']:.2f}, lossless: {check}")
+    console.print(f"JSON written to {out.resolve()}")
+    _track(args, "bench", cfg_dict=result["bench_config"], result=result, json_path=out)
+    return 0
+
+
+def _verify_curve(args: argparse.Namespace, console) -> int:
+    from speculation.bench import verify_curve
+    from speculation.bench.runner import environment
+
+    dtypes = [d.strip() for d in args.dtype.split(",")] if "," in args.dtype else ["float32", "bfloat16"]
+    curves = {}
+    for dt in dtypes:
+        target = _load_target(args.model, dt)
+        decode = verify_curve.measure(target, sizes=(1,), repeats=9)[1]
+        curve = verify_curve.measure(target)
+        curves[DType.parse(dt).value] = {"seconds": {str(k): v for k, v in curve.items()}, "decode_s": decode}
+        row = "  ".join(f"T={k}:{1000 * v:.0f}ms" for k, v in curve.items())
+        console.print(f"{dt}: {row}")
+    result = {"model": args.model, "kind": "verify_curve", "env": environment(), "curves": curves}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    console.print(f"JSON written to {out.resolve()}")
+    _track(args, "verify_curve", cfg_dict={"model": args.model, "dtypes": dtypes}, result=None, json_path=out)
+    return 0
+
+
+def _track(args: argparse.Namespace, kind: str, cfg_dict: dict, result: dict | None, json_path: Path) -> None:
+    if getattr(args, "no_mlflow", False):
+        return
+    from sweeps import tracking
+
+    run_id = tracking.log_bench(
+        experiment=args.experiment, tracking_uri=args.tracking_uri, kind=kind,
+        params=cfg_dict, result=result, artifacts=[json_path],
+    )
+    print(f"MLflow run {run_id} ({tracking.resolve_uri(args.tracking_uri)})")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from speculation import assets
+    from speculation.drafters import build_drafter, resolve_methods
+    from speculation.engine import generate_speculative, generate_vanilla
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    spec = resolve_methods([args.method], _load_yaml(args.config))[0]
+    engine = EngineConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+    )
+    if not args.prompt or not args.prompt.strip():
+        raise ValueError("prompt is empty: pass --prompt TEXT")
+    target = _load_target(args.model, args.dtype)
+    ids = assets.encode_turn(target.tokenizer, [], args.prompt)
+    drafter = build_drafter(spec, target)
+    t0 = time.perf_counter()
+    res = generate_vanilla(target, ids, engine) if drafter is None else generate_speculative(target, drafter, ids, engine)
+    wall = time.perf_counter() - t0
+    print(target.tokenizer.decode(res.tokens, skip_special_tokens=True))
+    tau = sum(s.tokens_gained for s in res.steps) / len(res.steps) if res.steps else 1.0
+    print(f"\n[{spec.name}] {len(res.tokens)} tokens in {wall:.2f}s ({len(res.tokens) / wall:.1f} tok/s), tau {tau:.2f}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_assets(args: argparse.Namespace) -> int:
+    from speculation import assets
+
+    models = tuple(m for m in args.models.split(",") if m)
+    assets.ensure_assets(models=models)
+    print(f"assets ready in {assets.cache_dir()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graftblock", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="benchmark methods against vanilla on the same prompts")
+    b.add_argument("--methods", default="vanilla,retrieval", help="comma-separated method names")
+    _add_model_args(b)
+    b.add_argument("--dataset", default="spec_bench", help="spec_bench | humaneval | nq_open | ... | PATH.jsonl")
+    b.add_argument("--limit-per-category", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-turns", type=int, default=None, help="only the first N turns per question")
+    _add_sampling_args(b)
+    b.add_argument("--config", default=None, help="YAML: method name -> drafter options")
+    b.add_argument("--peers", default="", help="hf_generate,hf_prompt_lookup")
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--verify-curve", action="store_true", help="measure c(T) for T = 1..128 instead")
+    b.add_argument("--json", required=True, help="where to write the result JSON")
+    _add_tracking_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    g = sub.add_parser("generate", help="generate one answer with one method")
+    g.add_argument("--method", default="retrieval")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--config", default=None)
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    a = sub.add_parser("assets", help="fetch and convert packaged models and datasets")
+    a.add_argument("--models", default="smollm2-135m")
+    a.set_defaults(func=cmd_assets)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"graftblock {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # AssetError and friends carry user-facing messages
+        from speculation.assets import AssetError
+
+        if isinstance(exc, AssetError):
+            print(f"graftblock {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Peer baselines run inside the same bench run: Hugging Face's own decoding loops.
+
+* ``hf_generate``: ``model.generate(do_sample=False)``, the reference greedy loop.
+* ``hf_prompt_lookup``: ``model.generate(prompt_lookup_num_tokens=N)``, HF's n-gram lookup
+  speculation (PLD), the closest off-the-shelf analogue of the retrieval drafter.
+
+Both use the very same model object and weights as our target, so the comparison is direct.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from speculation.config import ConfigError, SamplingConfig
+from speculation.engine import GenerationResult
+from speculation.target import TargetModel
+
+
+class Peer(str, enum.Enum):
+    HF_GENERATE = "hf_generate"
+    HF_PROMPT_LOOKUP = "hf_prompt_lookup"
+
+
+PROMPT_LOOKUP_TOKENS = 10
+
+
+def parse_peers(value: str | None) -> list[Peer]:
+    if not value:
+        return []
+    out = []
+    for name in value.split(","):
+        name = name.strip()
+        try:
+            out.append(Peer(name))
+        except ValueError:
+            raise ConfigError(f"--peers: unknown peer {name!r}; allowed: {', '.join(p.value for p in Peer)}") from None
+    return out
+
+
+@torch.inference_mode()
+def run_peer(
+    peer: Peer, target: TargetModel, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig
+) -> GenerationResult:
+    """Generate with a Hugging Face loop; timing covers the whole ``generate`` call."""
+    model = target.model
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(target.eos_token_ids) or None,
+        pad_token_id=min(target.eos_token_ids) if target.eos_token_ids else 0,
+        attention_mask=torch.ones_like(input_ids),
+    )
+    if sampling.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        torch.manual_seed(sampling.seed)
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+    if peer == Peer.HF_PROMPT_LOOKUP:
+        kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+    t0 = time.perf_counter()
+    out = model.generate(input_ids, **kwargs)
+    wall = time.perf_counter() - t0
+    return GenerationResult(tokens=out[0, len(prompt_ids):].tolist(), wall_s=wall, prefill_s=0.0)

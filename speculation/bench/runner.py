@@ -1,0 +1,177 @@
+"""The bench harness: every method and peer on the same prompts, interleaved, in one run.
+
+For each question, every method (vanilla first in the list, then the others, the order rotated
+per question so no method always runs right after another) answers all turns; a second turn is
+conditioned on that method's own first answer, as Spec-Bench does. Greedy outputs are compared
+with vanilla's turn by turn. Results follow the JSON contract in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from speculation import assets
+from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedup
+from speculation.bench.peers import Peer, parse_peers, run_peer
+from speculation.config import BenchConfig, EngineConfig, to_dict
+from speculation.drafters import MethodSpec, build_drafter, resolve_methods
+from speculation.engine import GenerationResult, generate_speculative, generate_vanilla
+from speculation.target import TargetModel
+
+BASELINE = "vanilla"
+
+
+def environment() -> dict:
+    """Machine and software facts recorded with every result."""
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    import transformers
+
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "git_commit": commit,
+    }
+
+
+class _Runner:
+    """Runs one method (or peer) on turns, keeping per-method conversation histories."""
+
+    def __init__(self, name: str, target: TargetModel, engine: EngineConfig,
+                 spec: MethodSpec | None = None, peer: Peer | None = None) -> None:
+        self.name = name
+        self.target = target
+        self.engine = engine
+        self.spec = spec
+        self.peer = peer
+        self.drafter = build_drafter(spec, target) if spec is not None else None
+
+    def generate(self, prompt_ids: list[int]) -> GenerationResult:
+        if self.peer is not None:
+            return run_peer(self.peer, self.target, prompt_ids, self.engine.max_new_tokens, self.engine.sampling)
+        if self.drafter is None:
+            return generate_vanilla(self.target, prompt_ids, self.engine)
+        return generate_speculative(self.target, self.drafter, prompt_ids, self.engine)
+
+
+def run_bench(
+    cfg: BenchConfig,
+    target: TargetModel,
+    questions: list[assets.Question],
+    method_configs: dict | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> dict:
+    """Run the bench and return the result dict (DESIGN.md "Bench CLI contract")."""
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    names = list(cfg.methods)
+    if BASELINE not in names:
+        names.insert(0, BASELINE)
+    specs = resolve_methods(names, method_configs)
+    peers = parse_peers(",".join(cfg.peers))
+    engine = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling)
+    tok = target.tokenizer
+    runners = [_Runner(s.name, target, engine, spec=s) for s in specs]
+    runners += [_Runner(p.value, target, engine, peer=p) for p in peers]
+    results = {r.name: MethodRuns(r.name) for r in runners}
+
+    if cfg.warmup and questions:
+        warm_ids = assets.encode_turn(tok, [], questions[0].turns[0])
+        warm_engine = EngineConfig(max_new_tokens=min(16, cfg.max_new_tokens), sampling=cfg.sampling)
+        for r in runners:
+            saved, r.engine = r.engine, warm_engine
+            for _ in range(cfg.warmup):
+                r.generate(warm_ids)
+            r.engine = saved
+        # Drafters start measured runs from a fresh state: warm-up must not leak retrieval data.
+        for r in runners:
+            if r.spec is not None:
+                r.drafter = build_drafter(r.spec, target)
+
+    for qi, q in enumerate(questions):
+        turns = q.turns[: cfg.max_turns] if cfg.max_turns else q.turns
+        order = runners[qi % len(runners):] + runners[: qi % len(runners)]
+        per_method: dict[str, list[GenerationResult]] = {}
+        for r in order:
+            history: list[tuple[str, str]] = []
+            outs = []
+            for user in turns:
+                ids = assets.encode_turn(tok, history, user)
+                res = r.generate(ids)
+                outs.append(res)
+                history.append((user, tok.decode(res.tokens, skip_special_tokens=True)))
+            per_method[r.name] = outs
+        base = per_method[BASELINE]
+        for name, outs in per_method.items():
+            for ti, res in enumerate(outs):
+                match = None if not cfg.sampling.greedy or name == BASELINE else res.tokens == base[ti].tokens
+                results[name].runs.append(TurnRun(q.question_id, q.category, ti, res, match))
+        if progress is not None:
+            progress(qi + 1, len(questions), q.category)
+
+    baseline = results[BASELINE]
+    out = {
+        "model": cfg.model,
+        "dtype": cfg.dtype.value,
+        "dataset": cfg.dataset,
+        "n_prompts": len(questions),
+        "n_turns": len(baseline.runs),
+        "categories": sorted({q.category for q in questions}),
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.sampling.temperature,
+        "sampling": to_dict(cfg.sampling),
+        "env": environment(),
+        "bench_config": to_dict(cfg),
+        "methods": {},
+        "peers": {},
+    }
+    base_summary = summarize_with_speedup(baseline, baseline)
+    out["baseline_tokens_per_s"] = base_summary["tokens_per_s"]
+    for r in runners:
+        summary = summarize_with_speedup(results[r.name], baseline)
+        if r.peer is not None:
+            summary["lossless"] = _lossless(summary, cfg)
+            summary["config"] = {"peer": r.peer.value}
+            for key in ("tau", "mean_tree_size", "drafting_share", "drafter_forwards_per_step", "drafting_s_per_step"):
+                summary[key] = None  # HF's loops do not expose their steps
+            out["peers"][r.name] = summary
+            continue
+        summary["lossless"] = True if r.name == BASELINE else _lossless(summary, cfg)
+        summary["config"] = {"type": r.spec.type.value, **r.spec.config_dict()}
+        out["methods"][r.name] = summary
+    return out
+
+
+def _lossless(summary: dict, cfg: BenchConfig) -> bool | float | None:
+    """True if every turn matched vanilla token for token, else the match rate; None if sampled."""
+    rate = summary.get("match_rate")
+    if rate is None or not cfg.sampling.greedy:
+        return None
+    return True if rate == 1.0 else rate
+

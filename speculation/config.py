@@ -1,0 +1,238 @@
+"""Validated configuration dataclasses for every knob of the single-process core.
+
+Each field carries a docstring-style comment; each dataclass validates itself in
+``__post_init__`` and raises :class:`ConfigError` (a ``ValueError``) naming the field and the
+allowed range. Configs load from plain dicts / YAML with :func:`from_dict`, which rejects unknown
+keys by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or unknown."""
+
+
+def _check_int(owner: str, name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{owner}.{name} must be an integer, got {value!r}")
+    _check_range(owner, name, value, lo, hi)
+
+
+def _check_float(
+    owner: str, name: str, value: Any, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
+        raise ConfigError(f"{owner}.{name} must be a number, got {value!r}")
+    if lo_open and lo is not None and not value > lo:
+        raise ConfigError(f"{owner}.{name} must be > {lo}, got {value}")
+    _check_range(owner, name, value, None if lo_open else lo, hi)
+
+
+def _check_range(owner: str, name: str, value: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise ConfigError(f"{owner}.{name} must be in [{lo}, {hi}], got {value}")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{owner}.{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{owner}.{name} must be <= {hi}, got {value}")
+
+
+class DType(str, enum.Enum):
+    """Target compute dtype. Exactness is checked in fp32; bf16 is for speed."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16}[self]
+
+    @classmethod
+    def parse(cls, value: "str | DType") -> "DType":
+        aliases = {"fp32": "float32", "bf16": "bfloat16"}
+        try:
+            return cls(aliases.get(str(value), str(value)))
+        except ValueError:
+            raise ConfigError(f"dtype must be one of float32|bfloat16 (or fp32|bf16), got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen, identically for vanilla and speculative decoding."""
+
+    temperature: float = 0.0
+    """0 (or <= 1e-5) means greedy; otherwise softmax(z / temperature). Range [0, 100]."""
+    top_p: float = 1.0
+    """Nucleus truncation, applied after temperature. Range (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Keep only the k most likely tokens, applied after top-p. 0 disables it."""
+    seed: int = 0
+    """Seed of the torch.Generator that draws the uniforms and samples."""
+
+    GREEDY_EPS = 1e-5
+
+    def __post_init__(self) -> None:
+        _check_float("sampling", "temperature", self.temperature, 0.0, 100.0)
+        _check_float("sampling", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("sampling", "top_k", self.top_k, 0)
+        _check_int("sampling", "seed", self.seed, 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= self.GREEDY_EPS
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """Knobs of the training-free retrieval drafter (suffix index + token-transition table)."""
+
+    budget: int = 24
+    """Maximum number of draft nodes (root excluded) per step. Range [1, 512]."""
+    max_match_len: int = 16
+    """Depth of the per-request suffix index: the longest context suffix matched. Range [1, 64]."""
+    min_match_len: int = 1
+    """Shortest suffix match that may propose a continuation. Range [1, max_match_len]."""
+    max_depth: int = 12
+    """Longest proposed continuation (tree depth). Range [1, 64]."""
+    min_token_prob: float = 0.05
+    """Drop suffix continuations whose conditional count ratio is below this. Range [0, 1)."""
+    transition_topk: int = 4
+    """Successors kept per token in the transition table. 0 disables the table. Range [0, 16]."""
+    transition_fill: bool = True
+    """Fill budget left over by suffix matching with walks of the transition table."""
+    transition_width: int = 2
+    """Children per node when expanding from the transition table. Range [1, transition_topk]."""
+    cost_aware: bool = True
+    """Cut each tree to the size the measured verify curve c(T) favours (see speculation.cost)."""
+    datastore: str | None = None
+    """Optional path to a corpus datastore (a .npy of token ids) matched like REST."""
+    datastore_match_len: int = 8
+    """Longest suffix looked up in the datastore. Range [1, 32]."""
+
+    def __post_init__(self) -> None:
+        o = "retrieval"
+        _check_int(o, "budget", self.budget, 1, 512)
+        _check_int(o, "max_match_len", self.max_match_len, 1, 64)
+        _check_int(o, "min_match_len", self.min_match_len, 1, self.max_match_len)
+        _check_int(o, "max_depth", self.max_depth, 1, 64)
+        _check_float(o, "min_token_prob", self.min_token_prob, 0.0, 1.0)
+        if self.min_token_prob >= 1.0:
+            raise ConfigError(f"{o}.min_token_prob must be < 1, got {self.min_token_prob}")
+        _check_int(o, "transition_topk", self.transition_topk, 0, 16)
+        if self.transition_topk:
+            _check_int(o, "transition_width", self.transition_width, 1, self.transition_topk)
+        _check_int(o, "datastore_match_len", self.datastore_match_len, 1, 32)
+        if self.datastore is not None and not Path(self.datastore).exists():
+            raise ConfigError(f"{o}.datastore: no such file {self.datastore!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Decode-loop settings shared by every method."""
+
+    max_new_tokens: int = 128
+    """Tokens to generate per turn. Range [1, 65536]."""
+    stop_at_eos: bool = True
+    """Stop at the tokenizer's end-of-sequence token(s)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        _check_int("engine", "max_new_tokens", self.max_new_tokens, 1, 65536)
+
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str | None = None) -> T:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys with a message naming them.
+
+    Nested dataclass fields are built recursively from nested mappings.
+    """
+    data = dict(data or {})
+    where = where or cls.__name__
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = _NESTED.get((cls.__name__, name))
+        if sub is not None and isinstance(value, Mapping):
+            value = from_dict(sub, value, f"{where}.{name}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A plain, YAML/JSON-friendly dict of a config dataclass."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            v = to_dict(v)
+        elif isinstance(v, enum.Enum):
+            v = v.value
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One ``graftblock bench`` invocation (the Bench CLI contract in DESIGN.md)."""
+
+    methods: tuple[str, ...] = ("vanilla", "retrieval")
+    """Methods to run; ``vanilla`` (the baseline) is always run first if not listed."""
+    model: str = "smollm2-135m"
+    """Packaged alias, Hugging Face id or local directory."""
+    dtype: DType = DType.BFLOAT16
+    dataset: str = "spec_bench"
+    """``spec_bench``, a packaged dataset name, or a path to a Spec-Bench-format jsonl."""
+    limit_per_category: int | None = None
+    """Keep the first N questions of each category. Range [1, 100000] or None for all."""
+    max_new_tokens: int = 128
+    """New tokens per turn. Range [1, 65536]."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    peers: tuple[str, ...] = ()
+    """Peer loops run on the same prompts: ``hf_generate``, ``hf_prompt_lookup``."""
+    warmup: int = 1
+    """Untimed warm-up generations per method before measuring. Range [0, 10]."""
+    max_turns: int | None = None
+    """Only run the first N turns of multi-turn questions (None = all). Range [1, 10]."""
+    threads: int | None = None
+    """torch intra-op threads (None = leave torch's default). Range [1, 256]."""
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise ConfigError("bench.methods must name at least one method")
+        object.__setattr__(self, "methods", tuple(self.methods))
+        object.__setattr__(self, "peers", tuple(self.peers))
+        object.__setattr__(self, "dtype", DType.parse(self.dtype))
+        if self.limit_per_category is not None:
+            _check_int("bench", "limit_per_category", self.limit_per_category, 1, 100000)
+        _check_int("bench", "max_new_tokens", self.max_new_tokens, 1, 65536)
+        _check_int("bench", "warmup", self.warmup, 0, 10)
+        if self.max_turns is not None:
+            _check_int("bench", "max_turns", self.max_turns, 1, 10)
+        if self.threads is not None:
+            _check_int("bench", "threads", self.threads, 1, 256)
+
+
+_NESTED: dict[tuple[str, str], type] = {
+    ("EngineConfig", "sampling"): SamplingConfig,
+    ("BenchConfig", "sampling"): SamplingConfig,
+}

@@ -1,0 +1,100 @@
+"""Drafters behind one protocol, and the registry that builds them by method name.
+
+A *method* is a name plus a drafter type plus that drafter's validated config. The bench and the
+sweeps refer to methods by name; a YAML config may define variants::
+
+    retrieval:            {budget: 24}
+    retrieval_small:      {type: retrieval, budget: 8}
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from speculation.config import ConfigError, RetrievalConfig, from_dict, to_dict
+from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
+from speculation.drafters.retrieval import RetrievalDrafter
+
+__all__ = [
+    "DraftContext",
+    "Drafter",
+    "DrafterType",
+    "MethodSpec",
+    "Proposal",
+    "StepOutcome",
+    "build_drafter",
+    "resolve_methods",
+]
+
+
+class DrafterType(str, enum.Enum):
+    """Known drafter types. ``VANILLA`` means no drafter (the baseline loop)."""
+
+    VANILLA = "vanilla"
+    RETRIEVAL = "retrieval"
+
+
+_CONFIGS: dict[DrafterType, type | None] = {
+    DrafterType.VANILLA: None,
+    DrafterType.RETRIEVAL: RetrievalConfig,
+}
+
+_BUILDERS: dict[DrafterType, Callable[[Any, Any], Drafter]] = {
+    DrafterType.RETRIEVAL: lambda cfg, target: RetrievalDrafter(cfg, target.vocab_size),
+}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A named, configured method."""
+
+    name: str
+    type: DrafterType
+    config: Any  # the drafter's config dataclass, or None for vanilla
+
+    def config_dict(self) -> dict:
+        return to_dict(self.config) if self.config is not None else {}
+
+
+def _parse_type(name: str, value: Any) -> DrafterType:
+    try:
+        return DrafterType(value)
+    except ValueError:
+        allowed = ", ".join(t.value for t in DrafterType)
+        raise ConfigError(f"method {name!r}: unknown type {value!r}; allowed: {allowed}") from None
+
+
+def resolve_methods(names: list[str], configs: Mapping[str, Mapping[str, Any]] | None = None) -> list[MethodSpec]:
+    """Methods for ``names``; a name is a drafter type or a key of ``configs`` with a ``type``."""
+    configs = dict(configs or {})
+    specs = []
+    for name in names:
+        section = dict(configs.get(name) or {})
+        dtype = _parse_type(name, section.pop("type", name))
+        cfg_cls = _CONFIGS[dtype]
+        if cfg_cls is None:
+            if section:
+                raise ConfigError(f"method {name!r} ({dtype.value}) takes no options, got {sorted(section)}")
+            cfg = None
+        else:
+            cfg = from_dict(cfg_cls, section, where=name)
+        specs.append(MethodSpec(name=name, type=dtype, config=cfg))
+    return specs
+
+
+def build_drafter(spec: MethodSpec, target: Any) -> Drafter | None:
+    """A fresh drafter for ``spec`` (None for vanilla).
+
+    A cost-aware drafter gets the target's measured verify curve (measured once per target).
+    """
+    if spec.type == DrafterType.VANILLA:
+        return None
+    drafter = _BUILDERS[spec.type](spec.config, target)
+    if getattr(spec.config, "cost_aware", False) and hasattr(drafter, "cost_model"):
+        from speculation.cost import measure_cost_model
+
+        drafter.cost_model = measure_cost_model(target, max_size=spec.config.budget + 1)
+    return drafter

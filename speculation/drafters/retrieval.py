@@ -1,0 +1,329 @@
+"""Training-free retrieval drafter: suffix matching + a token-transition table.
+
+Three candidate sources feed one best-first tree builder:
+
+1. **Suffix index** over prompt + generated text (SuffixDecoding style). A trie holds every
+   substring of length <= ``D = max_match_len + max_depth`` with its occurrence count. Appending
+   a token costs O(D): the nodes of all suffixes ending at the previous token are extended by it.
+   Those same nodes are the current context's matches, so lookup is free; the cost per step never
+   grows with the context length.
+2. **Datastore** (optional, REST style): a corpus suffix array (:class:`SuffixArrayDatastore`);
+   the continuations of the longest matched context suffix form a small count trie.
+3. **Transition table** ``A[u] = top-k successors of token u`` (Token Recycling): after every
+   verification, ``A[token_i]`` is overwritten with the target's top-k at tree node i (rejected
+   nodes included), and prompts seed it with their bigrams. Graft reuses this table.
+
+Tree building: best-first over estimated path probabilities ``P(child) = P(parent) * p`` with
+
+* trie children:   ``p = (count(child) / sum of sibling counts) * conf[l]``, where ``l`` is the
+  effective match length (context match + depth below it) and ``conf[l]`` is the measured rate at
+  which such candidates were accepted when tested;
+* table children:  ``p = conf_rank[j]`` for the j-th successor, measured the same way.
+
+A candidate is *tested* when its parent was accepted; the per-bucket rates are exponential
+moving averages over tested candidates, so the scores stay calibrated to this model and data.
+The builder stops at ``budget`` nodes or ``max_depth``.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speculation.config import RetrievalConfig
+from speculation.cost import VerifyCostModel
+from speculation.drafters.base import DraftContext, Proposal, StepOutcome
+from speculation.tree import DraftTree, NodeSource
+
+
+class _TrieNode:
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _TrieNode] = {}
+        self.count = 0
+
+
+class SuffixIndex:
+    """Counts of every substring of length <= ``depth`` of a growing token sequence.
+
+    ``active[k]`` is the node of the suffix of length ``k + 1`` ending at the last token, so
+    ``active`` doubles as the list of context matches, shortest first.
+    """
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = _TrieNode()
+        self.active: list[_TrieNode] = []
+        self.length = 0
+
+    def append(self, token: int) -> None:
+        """Extend every live suffix by ``token`` (O(depth))."""
+        new_active = []
+        for node in [self.root, *self.active[: self.depth - 1]]:
+            child = node.children.get(token)
+            if child is None:
+                child = _TrieNode()
+                node.children[token] = child
+            child.count += 1
+            new_active.append(child)
+        self.active = new_active
+        self.length += 1
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def matches(self, min_len: int, max_len: int) -> list[tuple[int, _TrieNode]]:
+        """(match length, node) for context suffixes with a recorded continuation, longest first."""
+        out = []
+        for k in range(min(max_len, len(self.active)) - 1, min_len - 2, -1):
+            node = self.active[k]
+            if node.children:
+                out.append((k + 1, node))
+        return out
+
+
+class SuffixArrayDatastore:
+    """A static corpus indexed by a suffix array over fixed-width windows (REST style).
+
+    Args:
+        tokens: ``[N]`` int32 corpus token ids (documents separated by any token, e.g. EOS).
+        match_len: window width W; the longest context suffix looked up.
+        max_continuations: matched positions sampled per lookup.
+    """
+
+    def __init__(self, tokens: np.ndarray, match_len: int, max_continuations: int = 64) -> None:
+        self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        self.match_len = match_len
+        self.max_continuations = max_continuations
+        n = len(self.tokens)
+        pad = np.full(match_len, -1, dtype=np.int32)
+        padded = np.concatenate([self.tokens, pad])
+        windows = np.lib.stride_tricks.sliding_window_view(padded, match_len)[:n]  # [N, W]
+        # lexsort sorts by the last key first: feed columns W-1..0 so column 0 is primary.
+        self.order = np.lexsort(windows.T[::-1]).astype(np.int64)  # [N]
+        self._windows = windows
+
+    @classmethod
+    def load(cls, path: str | Path, match_len: int) -> "SuffixArrayDatastore":
+        return cls(np.load(path), match_len)
+
+    def _bound(self, query: list[int], upper: bool) -> int:
+        lo, hi = 0, len(self.order)
+        q = tuple(query)
+        k = len(query)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            w = tuple(self._windows[self.order[mid], :k].tolist())
+            if w < q or (upper and w == q):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def lookup(self, context: list[int], min_len: int, max_depth: int) -> tuple[int, _TrieNode] | None:
+        """Longest suffix of ``context`` (>= min_len) found in the corpus -> (length, count trie)."""
+        for k in range(min(self.match_len, len(context)), min_len - 1, -1):
+            query = context[-k:]
+            lo = self._bound(query, upper=False)
+            hi = self._bound(query, upper=True)
+            if hi <= lo:
+                continue
+            starts = self.order[lo:hi]
+            if len(starts) > self.max_continuations:
+                starts = starts[:: max(1, len(starts) // self.max_continuations)][: self.max_continuations]
+            root = _TrieNode()
+            for s in starts.tolist():
+                cont = self.tokens[s + k : s + k + max_depth].tolist()
+                node = root
+                node.count += 1
+                for t in cont:
+                    node = node.children.setdefault(t, _TrieNode())
+                    node.count += 1
+            if root.children:
+                return k, root
+        return None
+
+
+class TransitionTable:
+    """Dense ``[V, k]`` table of likely successors per token (-1 = empty), updated online."""
+
+    def __init__(self, vocab_size: int, topk: int) -> None:
+        self.topk = topk
+        self.table = np.full((vocab_size, topk), -1, dtype=np.int32)
+
+    def successors(self, token: int, width: int) -> list[int]:
+        row = self.table[token, :width].tolist()
+        return [t for t in row if t >= 0]
+
+    def recycle(self, tokens: list[int], topk_ids: torch.Tensor) -> None:
+        """``A[tokens[i]] = topk_ids[i]`` for every verified node i (Token Recycling)."""
+        ids = topk_ids[:, : self.topk].to(torch.int32).cpu().numpy()
+        self.table[np.asarray(tokens, dtype=np.int64)] = ids
+
+    def seed_bigrams(self, tokens: list[int]) -> None:
+        """Put each observed successor first in its predecessor's row (the rest shift right)."""
+        for u, v in zip(tokens[:-1], tokens[1:]):
+            row = self.table[u]
+            if row[0] == v:
+                continue
+            keep = [t for t in row.tolist() if t != v][: self.topk - 1]
+            row[:] = [v, *keep, *([-1] * (self.topk - 1 - len(keep)))]
+
+
+class _Kind(enum.IntEnum):
+    """Candidate source inside the retrieval drafter (for calibration)."""
+
+    SUFFIX = 0
+    TABLE = 1
+
+
+@dataclass
+class _Rate:
+    """Exponential moving average of a success rate, started from a prior."""
+
+    value: float
+    decay: float = 0.995
+
+    def update(self, success: bool) -> None:
+        self.value = self.decay * self.value + (1.0 - self.decay) * float(success)
+
+
+_MAX_BUCKET = 8  # effective match lengths >= this share one calibration bucket
+
+
+class RetrievalDrafter:
+    """Suffix-index + datastore + transition-table drafter behind the :class:`Drafter` protocol."""
+
+    name = "retrieval"
+    needs_aux = False
+
+    def __init__(self, config: RetrievalConfig, vocab_size: int) -> None:
+        self.config = config
+        self.target_topk = config.transition_topk
+        self.table = TransitionTable(vocab_size, config.transition_topk) if config.transition_topk else None
+        self.datastore = (
+            SuffixArrayDatastore.load(config.datastore, config.datastore_match_len) if config.datastore else None
+        )
+        # Priors: longer matches are more reliable; lower-ranked successors less so.
+        self.suffix_conf = [_Rate(min(0.9, 0.3 + 0.1 * b)) for b in range(_MAX_BUCKET + 1)]
+        self.rank_conf = [_Rate(0.35 / (1 + j)) for j in range(max(1, config.transition_topk))]
+        self.index = SuffixIndex(config.max_match_len + config.max_depth)
+        self._full: tuple[DraftTree, list[tuple[_Kind, int] | None]] = (DraftTree(0), [None])
+        self.cost_model: VerifyCostModel | None = None
+        """When set, each tree is cut to the size the measured verify curve favours."""
+
+    # ------------------------------------------------------------------ protocol
+    def begin(self, ctx: DraftContext, prompt_aux: torch.Tensor | None = None) -> None:
+        self.index = SuffixIndex(self.config.max_match_len + self.config.max_depth)
+        self.index.extend(ctx.tokens)
+        if self.table is not None:
+            self.table.seed_bigrams(ctx.tokens[: ctx.prompt_len])
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        self._sync(ctx.tokens)
+        tree, meta = self.build_tree(ctx.tokens, self.config.budget)
+        self._full = (tree, meta)
+        if self.cost_model is not None and len(tree) > 1:
+            # Nodes were added best-first (decreasing path probability, parents first), so
+            # nodes 1..n form the best tree of n drafts; keep the n the verify curve favours.
+            n = self.cost_model.best_prefix([math.exp(s) for s in tree.scores[1:]])
+            if n < len(tree) - 1:
+                tree = tree.subtree(range(n + 1))
+        return Proposal(tree=tree, drafter_forwards=0)
+
+    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        # Calibrate on the full (uncut) tree: the target's emitted tokens (accepted + bonus) are
+        # the true continuation, so every candidate whose parent lies on it was effectively
+        # tested, whether or not the cost model let it be verified.
+        full, meta = self._full
+        truth = [*outcome.accepted_tokens[1:], outcome.bonus_token]
+        cur = 0
+        for tok in truth:
+            for c in full.children(cur):
+                if meta[c] is not None:
+                    kind, bucket = meta[c]
+                    rates = self.suffix_conf if kind == _Kind.SUFFIX else self.rank_conf
+                    rates[bucket].update(full.tokens[c] == tok)
+            nxt = full.child(cur, tok)
+            if nxt is None:
+                break
+            cur = nxt
+        if self.table is not None and outcome.target_topk is not None:
+            self.table.recycle(outcome.tree.tokens, outcome.target_topk)
+        self._sync(ctx.tokens)
+
+    # ------------------------------------------------------------------ tree building
+    def _sync(self, tokens: list[int]) -> None:
+        if self.index.length < len(tokens):
+            self.index.extend(tokens[self.index.length :])
+
+    def build_tree(
+        self, tokens: list[int], budget: int, root_node: int = 0, tree: DraftTree | None = None
+    ) -> tuple[DraftTree, list[tuple[_Kind, int] | None]]:
+        """Best-first tree of at most ``budget`` new nodes under ``root_node`` of ``tree``.
+
+        ``tokens`` is the context whose last token is the root's token. Returns the tree and, per
+        node index, the (source kind, calibration bucket) of retrieval nodes.
+        """
+        cfg = self.config
+        if tree is None:
+            tree = DraftTree(tokens[-1])
+        meta: list[tuple[_Kind, int] | None] = [None] * len(tree)
+        heap: list[tuple[float, int, int, int, _Kind, int, _TrieNode | None]] = []
+        counter = 0
+
+        def push_trie(parent: int, logp: float, node: _TrieNode, eff_len: int) -> None:
+            nonlocal counter
+            total = sum(c.count for c in node.children.values())
+            bucket = min(eff_len, _MAX_BUCKET)
+            conf = self.suffix_conf[bucket].value
+            for tok, child in node.children.items():
+                p = child.count / total * conf
+                if p < cfg.min_token_prob:
+                    continue
+                counter += 1
+                heapq.heappush(heap, (-(logp + math.log(p)), counter, parent, tok, _Kind.SUFFIX, bucket, child))
+
+        def push_table(parent: int, logp: float, token: int) -> None:
+            nonlocal counter
+            if self.table is None or not cfg.transition_fill:
+                return
+            for j, tok in enumerate(self.table.successors(token, cfg.transition_width)):
+                p = self.rank_conf[j].value
+                if p < cfg.min_token_prob:
+                    continue
+                counter += 1
+                heapq.heappush(heap, (-(logp + math.log(p)), counter, parent, tok, _Kind.TABLE, j, None))
+
+        base_logp = tree.scores[root_node]
+        for match_len, node in self.index.matches(cfg.min_match_len, cfg.max_match_len)[:3]:
+            push_trie(root_node, base_logp, node, match_len)
+        if self.datastore is not None:
+            found = self.datastore.lookup(tokens, cfg.min_match_len, cfg.max_depth)
+            if found is not None:
+                push_trie(root_node, base_logp, found[1], found[0])
+        push_table(root_node, base_logp, tree.tokens[root_node])
+
+        root_depth = tree.depths[root_node]
+        added = 0
+        while heap and added < budget:
+            neg_logp, _, parent, tok, kind, bucket, trie_child = heapq.heappop(heap)
+            if tree.child(parent, tok) is not None:
+                continue  # a better-scored candidate already took this slot
+            idx = tree.add(parent, tok, -neg_logp, NodeSource.RETRIEVAL)
+            meta.append((kind, bucket))
+            added += 1
+            if tree.depths[idx] - root_depth >= cfg.max_depth:
+                continue
+            if trie_child is not None and trie_child.children:
+                push_trie(idx, -neg_logp, trie_child, bucket + 1)
+            push_table(idx, -neg_logp, tok)
+        return tree, meta

@@ -1,0 +1,216 @@
+"""The target model: prefill, one-pass tree verification, and KV compaction to the accepted path.
+
+Tree forward (ALGORITHMS.md section 1). Over a KV cache holding the n committed tokens, the T
+tree nodes are fed in node order with
+
+* RoPE position ``n + depth_i``,
+* a 4D boolean mask ``M[0, 0, i, :] = [1]*n ++ A[i]`` where ``A`` is the ancestor-or-self mask,
+
+so node i sees exactly the committed text and its own path: its logits equal those of a
+sequential forward along root..i. After acceptance of the path ``(0, a_1..a_m)`` the KV rows at
+``n + [0, a_1..a_m]`` are moved to ``n..n+m`` and the cache is cut to ``n + m + 1``.
+
+Auxiliary hidden states (for EAGLE-3 / SpecBlock drafters) are the HF ``hidden_states`` at
+indices ``[2, L // 2, L - 3]`` (the inputs of layers 2, L/2 and L-3), concatenated to ``3H``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from speculation.tree import DraftTree
+
+
+class ContextLengthError(ValueError):
+    """The request does not fit in the model's context window."""
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """HF ``hidden_states`` indices of the low, mid and high features: ``[2, L//2, L-3]``."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass
+class TargetState:
+    """Per-sequence target state: the KV cache and how many tokens it holds."""
+
+    cache: DynamicCache
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)
+    """Token ids held in the KV cache (the committed text minus the pending root)."""
+
+
+@dataclass(frozen=True)
+class TreeForward:
+    """Target outputs over one tree.
+
+    Attributes:
+        logits: ``[T, V]`` next-token logits at every node.
+        aux_hidden: ``[T, 3H]`` fused auxiliary features at every node, or None if not requested.
+    """
+
+    logits: torch.Tensor
+    aux_hidden: torch.Tensor | None
+
+
+class TargetModel:
+    """A causal LM behind the verification interface the decode loop needs.
+
+    Args:
+        model: a Hugging Face causal LM (eval mode, any dtype).
+        tokenizer: its tokenizer (for EOS ids and templates).
+        aux_layers: HF hidden-state indices for the drafters' features (default ``[2, L/2, L-3]``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        aux_layers: tuple[int, int, int] | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers: int = cfg.num_hidden_layers
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.max_context: int = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.sliding_window: int | None = getattr(cfg, "sliding_window", None)
+        self.aux_layers = tuple(aux_layers or default_aux_layers(self.num_layers))
+        if not all(0 <= i <= self.num_layers for i in self.aux_layers):
+            raise ValueError(f"aux_layers {self.aux_layers} out of range [0, {self.num_layers}]")
+        self.eos_token_ids: frozenset[int] = _eos_ids(model, tokenizer)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise :class:`ContextLengthError` if prompt + new tokens exceed the context window."""
+        if prompt_len <= 0:
+            raise ValueError("prompt is empty: at least one token is required")
+        limit = self.max_context
+        if self.sliding_window is not None:
+            # Tree verification writes candidate rows into the sliding window before pruning them,
+            # which would evict rows vanilla decoding still attends to. Stay inside the window.
+            limit = min(limit, int(self.sliding_window) - 1)
+        if prompt_len + max_new_tokens > limit:
+            raise ContextLengthError(
+                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                f"model's usable context of {limit} tokens"
+            )
+
+    # ------------------------------------------------------------------ forward passes
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], need_aux: bool = False) -> tuple[TargetState, torch.Tensor, torch.Tensor | None]:
+        """Run the prompt. Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        state = TargetState(cache=DynamicCache(config=self.model.config))
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=state.cache,
+            use_cache=True,
+            output_hidden_states=need_aux,
+            logits_to_keep=1,
+        )
+        state.length = len(ids)
+        state.tokens = list(ids)
+        aux = self._aux(out.hidden_states) if need_aux else None
+        return state, out.logits[0, -1], aux
+
+    @torch.inference_mode()
+    def decode(self, state: TargetState, token: int) -> torch.Tensor:
+        """Vanilla step: append ``token`` to the cache and return the next-token logits ``[V]``."""
+        input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        state.length += 1
+        state.tokens.append(int(token))
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def verify(self, state: TargetState, tree: DraftTree, need_aux: bool = False) -> TreeForward:
+        """One forward over every node of ``tree`` (ancestor-or-self attention, depth positions)."""
+        n = state.length
+        tt = tree.to_tensors()
+        T = len(tree)
+        if T == 1:  # root only: the plain causal step is the same computation
+            input_ids = tt.tokens.view(1, 1).to(self.device)
+            out = self.model(
+                input_ids=input_ids,
+                past_key_values=state.cache,
+                use_cache=True,
+                output_hidden_states=need_aux,
+            )
+        else:
+            mask = torch.ones(1, 1, T, n + T, dtype=torch.bool, device=self.device)  # [1, 1, T, n+T]
+            mask[0, 0, :, n:] = tt.ancestor_mask
+            positions = (tt.depths + n).view(1, T).to(self.device)  # [1, T]
+            out = self.model(
+                input_ids=tt.tokens.view(1, T).to(self.device),
+                attention_mask=mask,
+                position_ids=positions,
+                cache_position=torch.arange(n, n + T, device=self.device),
+                past_key_values=state.cache,
+                use_cache=True,
+                output_hidden_states=need_aux,
+            )
+        aux = self._aux(out.hidden_states) if need_aux else None
+        state.length += T  # provisional: commit() cuts back to the accepted path
+        return TreeForward(logits=out.logits[0], aux_hidden=aux)
+
+    @torch.inference_mode()
+    def commit(self, state: TargetState, tree: DraftTree, accepted: list[int]) -> None:
+        """Keep only the accepted path's KV rows (root first) after a :meth:`verify` of ``tree``."""
+        T = len(tree)
+        n = state.length - T
+        m1 = len(accepted)
+        if accepted[0] != 0:
+            raise ValueError("accepted path must start at the root (node 0)")
+        contiguous = accepted == list(range(m1))
+        for layer in state.cache.layers:
+            stored = layer.keys.shape[-2]
+            base = stored - T  # tree rows are the last T rows of every layer
+            if not contiguous:
+                idx = torch.tensor([base + a for a in accepted], device=layer.keys.device)
+                layer.keys[:, :, base : base + m1] = layer.keys.index_select(2, idx)
+                layer.values[:, :, base : base + m1] = layer.values.index_select(2, idx)
+            layer.keys = layer.keys[:, :, : base + m1]
+            layer.values = layer.values[:, :, : base + m1]
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length -= T - m1
+        state.length = n + m1
+        state.tokens.extend(tree.tokens[a] for a in accepted)
+
+    @torch.inference_mode()
+    def truncate(self, state: TargetState, length: int) -> None:
+        """Forget everything after the first ``length`` cached tokens."""
+        if not 0 <= length <= state.length:
+            raise ValueError(f"length must be in [0, {state.length}], got {length}")
+        if length < state.length:
+            state.cache.crop(length - state.length)  # transformers 5 takes a negative count
+        del state.tokens[length:]
+        state.length = length
+
+    def _aux(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``[T, 3H]``: concat of the three auxiliary hidden states of batch row 0."""
+        return torch.cat([hidden_states[i][0] for i in self.aux_layers], dim=-1)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if src is None:
+            continue
+        ids.update(src if isinstance(src, (list, tuple)) else [src])
+    return frozenset(int(i) for i in ids)

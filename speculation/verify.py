@@ -1,0 +1,124 @@
+"""Acceptance over a draft tree: greedy and lossless stochastic (ALGORITHMS.md section 2).
+
+Greedy (T = 0): starting at the root, descend to the child whose token equals
+``argmax z_cur``; stop when no child matches. The bonus is ``argmax z_last``. Siblings are unique
+by token (see :mod:`speculation.tree`), so the accepted path is the unique longest match.
+
+Stochastic (multi-draft rejection with deterministic candidates, SpecInfer / EAGLE)::
+
+    cur = root; P = p(. | prefix + path(cur))          # processed target distribution at cur
+    for x in children(cur) in sibling order:
+        if U <= P(x):  accept x; cur = x; restart with a fresh P at cur
+        else:          P(x) = 0; P = P / sum(P)
+    bonus ~ P                                          # residual, or fresh p at a leaf
+
+For candidates x_1..x_k fixed before the uniforms are drawn, P(out = x_j) telescopes to p(x_j)
+and every other token keeps p(y), so the output distribution is the target's exactly.
+The processors (temperature, then top-p, then top-k) are applied once per node, before the loop;
+vanilla sampling uses the same :func:`target_probs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from speculation.config import SamplingConfig
+from speculation.tree import ROOT, DraftTree
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one tree.
+
+    Attributes:
+        accepted: node indices of the accepted path, root first (``len - 1`` drafts accepted).
+        bonus_token: the token the target emits after the accepted path (the next root).
+        tree_depth: depth of the verified tree (0 = root only).
+    """
+
+    accepted: list[int]
+    bonus_token: int
+    tree_depth: int
+
+    @property
+    def accept_length(self) -> int:
+        """Draft tokens accepted (bonus excluded)."""
+        return len(self.accepted) - 1
+
+
+def build_processors(sampling: SamplingConfig) -> LogitsProcessorList:
+    """Temperature, then top-p, then top-k (the order EAGLE uses), with HF's own warpers."""
+    procs = LogitsProcessorList()
+    if sampling.greedy:
+        return procs  # greedy decoding never consults the processors
+    if sampling.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_p < 1.0:
+        procs.append(TopPLogitsWarper(sampling.top_p))
+    if sampling.top_k > 0:
+        procs.append(TopKLogitsWarper(sampling.top_k))
+    return procs
+
+
+def target_probs(logits: torch.Tensor, processors: LogitsProcessorList) -> torch.Tensor:
+    """``[N, V]`` processed target distributions (fp32) from raw logits ``[N, V]``."""
+    scores = processors(None, logits.float())  # HF warpers ignore input_ids
+    return torch.softmax(scores, dim=-1)
+
+
+def greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+    """Greedy acceptance. ``logits``: ``[T, V]`` target logits at each tree node."""
+    argmax = logits.argmax(dim=-1).tolist()  # [T]
+    cur = ROOT
+    accepted = [ROOT]
+    while True:
+        nxt = tree.child(cur, argmax[cur])
+        if nxt is None:
+            break
+        accepted.append(nxt)
+        cur = nxt
+    return VerifyResult(accepted=accepted, bonus_token=int(argmax[cur]), tree_depth=tree.max_depth())
+
+
+def sample(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    processors: LogitsProcessorList,
+    generator: torch.Generator,
+) -> VerifyResult:
+    """Lossless stochastic acceptance over ``tree``. ``logits``: ``[T, V]``.
+
+    Uniforms and the bonus draw come from ``generator`` (CPU), so a seeded run is reproducible.
+    """
+    cur = ROOT
+    accepted = [ROOT]
+    while True:
+        probs = target_probs(logits[cur : cur + 1], processors)[0]  # [V]
+        moved = False
+        for child in tree.children(cur):
+            x = tree.tokens[child]
+            px = float(probs[x])
+            u = float(torch.rand((), generator=generator))
+            if px > 0.0 and u <= px:
+                accepted.append(child)
+                cur = child
+                moved = True
+                break
+            # Reject x: remove it and renormalise the residual.
+            probs[x] = 0.0
+            total = float(probs.sum())
+            if total <= 0.0:  # only possible if every token with mass was a rejected candidate
+                break
+            probs = probs / total
+        if not moved:
+            bonus = int(torch.multinomial(probs, 1, generator=generator))
+            return VerifyResult(accepted=accepted, bonus_token=bonus, tree_depth=tree.max_depth())
+
+
+def sample_token(logits: torch.Tensor, processors: LogitsProcessorList, generator: torch.Generator) -> int:
+    """One plain sample from the processed distribution at ``logits`` (``[V]``): vanilla decoding."""
+    probs = target_probs(logits.view(1, -1), processors)[0]
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,321 @@
+"""Tests for speculation.assets: real wheels, real model, real data (nothing mocked).
+
+The first run downloads the pinned wheels and converts SmolLM2 (about 30 s);
+later runs read everything from the cache ($GRAFTBLOCK_CACHE).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers / huggingface_hub are imported
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from speculation import assets  # noqa: E402
+from speculation.assets import (  # noqa: E402
+    DEFAULT_MODEL,
+    MODEL_ALIASES,
+    PACKAGED_DATASETS,
+    WHEELS,
+    AssetError,
+    Question,
+    WheelAsset,
+    encode_turn,
+    fetch_wheel_member,
+    load_model_and_tokenizer,
+    load_questions,
+    resolve_model_dir,
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model_and_tokenizer("smollm2-135m", torch.float32)
+
+
+def _write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text(
+        "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines),
+        encoding="utf-8",
+    )
+    return path
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path / "c"))
+    assert assets.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv(assets.CACHE_ENV)
+    assert assets.cache_dir() == Path.home() / ".cache" / "graftblock"
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def test_aliases():
+    assert DEFAULT_MODEL == "smollm2-135m"
+    assert {"smollm2-135m", "gemma3-270m"} <= set(MODEL_ALIASES)
+
+
+def test_smollm2_loads_from_cache(smollm2):
+    model, tokenizer = smollm2
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    assert model.dtype == torch.float32
+    assert not model.training
+    assert config._attn_implementation == "sdpa"
+    assert getattr(model, "hf_quantizer", None) is None
+    assert tokenizer.chat_template
+    assert len(tokenizer) == 49152
+
+
+def test_converted_dir_is_plain_fp32_checkpoint():
+    model_dir = resolve_model_dir("smollm2-135m")
+    assert model_dir == resolve_model_dir("smollm2-135m")  # no second conversion
+    assert (model_dir / "model.safetensors").is_file()
+    config = json.loads((model_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["dtype"] == "float32"
+    # A converted directory is also accepted as a local directory.
+    assert resolve_model_dir(str(model_dir)) == model_dir
+
+
+def test_local_dir_loads_same_weights(smollm2):
+    model, _ = smollm2
+    again, _ = load_model_and_tokenizer(str(resolve_model_dir("smollm2-135m")), torch.float32)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(model.state_dict()[name], again.state_dict()[name])
+
+
+@pytest.mark.parametrize("name", ["no such model", "./does/not/exist", "gpt2", ""])
+def test_unknown_model_name_lists_aliases(name):
+    with pytest.raises(AssetError) as err:
+        load_model_and_tokenizer(name, torch.float32)
+    assert "smollm2-135m" in str(err.value) and "gemma3-270m" in str(err.value)
+
+
+def test_resolve_model_dir_unknown():
+    with pytest.raises(AssetError, match="smollm2-135m"):
+        resolve_model_dir("not-an-alias")
+
+
+def test_offline_hub_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(AssetError) as err:
+        load_model_and_tokenizer("graftblock-test/definitely-not-cached-model", torch.float32)
+    message = str(err.value)
+    assert "graftblock-test/definitely-not-cached-model" in message
+    assert "no network" in message
+    for alias in MODEL_ALIASES:
+        assert alias in message
+
+
+# ----------------------------------------------------------------------------- wheels
+
+
+def test_fetch_wheel_member_is_idempotent():
+    path = fetch_wheel_member(WHEELS["humaneval"])
+    assert path.is_file() and path.name == "HumanEval.jsonl.gz"
+    mtime = path.stat().st_mtime_ns
+    assert fetch_wheel_member(WHEELS["humaneval"]) == path
+    assert path.stat().st_mtime_ns == mtime
+
+
+def test_sha256_mismatch(monkeypatch, tmp_path):
+    monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path))
+    good = WHEELS["humaneval"]
+    wrong = WheelAsset(good.package, good.version, "0" * 64, good.member)
+    with pytest.raises(AssetError) as err:
+        fetch_wheel_member(wrong)
+    message = str(err.value)
+    assert "0" * 64 in message and good.sha256 in message
+    assert not list(tmp_path.rglob("*.whl")) and not list(tmp_path.rglob("*.gz"))
+
+
+# ----------------------------------------------------------------------------- questions
+
+
+def _spec_bench_or_skip() -> Path:
+    path = assets.spec_bench_path()
+    if not path.is_file():
+        pytest.skip(f"Spec-Bench question file not present at {path}")
+    return path
+
+
+def test_spec_bench():
+    _spec_bench_or_skip()
+    questions = load_questions("spec_bench")
+    assert len(questions) == 480
+    assert len({q.category for q in questions}) == 13
+    assert all(isinstance(q, Question) and isinstance(q.question_id, str) for q in questions)
+    assert all(isinstance(q.turns, tuple) and q.turns for q in questions)
+    assert len({q.question_id for q in questions}) == 480
+
+
+def test_spec_bench_limit_per_category():
+    _spec_bench_or_skip()
+    full = load_questions("spec_bench")
+    limited = load_questions("spec_bench", limit_per_category=2)
+    assert len(limited) == 26
+    assert set(Counter(q.category for q in limited).values()) == {2}
+    assert limited == [q for q in full if q in limited]  # file order kept
+
+
+def test_spec_bench_missing(monkeypatch, tmp_path):
+    monkeypatch.setattr(assets, "spec_bench_path", lambda: tmp_path / "question.jsonl")
+    with pytest.raises(AssetError, match="--dataset PATH"):
+        load_questions("spec_bench")
+
+
+def test_question_file(tmp_path):
+    path = _write_jsonl(
+        tmp_path / "q.jsonl",
+        [
+            {"question_id": 1, "category": "a", "turns": ["one", "one more"]},
+            "",
+            {"question_id": "x", "category": "b", "turns": ["two"]},
+        ],
+    )
+    questions = load_questions(str(path))
+    assert questions == [
+        Question("1", "a", ("one", "one more")),
+        Question("x", "b", ("two",)),
+    ]
+    assert load_questions(path) == questions  # os.PathLike accepted too
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "{not json",
+        '["a list"]',
+        {"category": "a", "turns": ["t"]},
+        {"question_id": 3, "category": "a"},
+        {"question_id": 3, "category": "a", "turns": []},
+        {"question_id": 3, "category": "a", "turns": "not a list"},
+        {"question_id": 3, "category": "", "turns": ["t"]},
+        {"question_id": 1, "category": "a", "turns": ["duplicate id"]},
+    ],
+)
+def test_bad_question_line(tmp_path, bad):
+    good = [
+        {"question_id": 1, "category": "a", "turns": ["x"]},
+        {"question_id": 2, "category": "a", "turns": ["y"]},
+    ]
+    path = _write_jsonl(tmp_path / "bad.jsonl", [*good, bad])
+    with pytest.raises(AssetError) as err:
+        load_questions(str(path))
+    assert f"{path}:3" in str(err.value)
+
+
+def test_missing_question_path(tmp_path):
+    missing = tmp_path / "nope" / "question.jsonl"
+    with pytest.raises(AssetError, match="nope"):
+        load_questions(str(missing))
+
+
+def test_unknown_dataset_name():
+    with pytest.raises(AssetError) as err:
+        load_questions("not_a_dataset")
+    for name in ("spec_bench", *PACKAGED_DATASETS):
+        assert name in str(err.value)
+
+
+def test_limit_per_category(tmp_path):
+    rows = [("1", "a"), ("2", "b"), ("3", "a"), ("4", "a"), ("5", "b"), ("6", "c")]
+    path = _write_jsonl(
+        tmp_path / "q.jsonl",
+        [{"question_id": i, "category": c, "turns": [f"q{i}"]} for i, c in rows],
+    )
+    assert [q.question_id for q in load_questions(str(path), limit_per_category=2)] == [
+        "1", "2", "3", "5", "6",
+    ]
+    assert [q.question_id for q in load_questions(str(path), limit_per_category=1)] == ["1", "2", "6"]
+    assert load_questions(str(path), limit_per_category=0) == []
+    with pytest.raises(ValueError):
+        load_questions(str(path), limit_per_category=-1)
+
+
+@pytest.mark.parametrize("name", [n for n in PACKAGED_DATASETS if n != "mixed"])
+def test_packaged_dataset(name):
+    questions = load_questions(name)
+    assert questions
+    assert {q.category for q in questions} == {name}
+    assert all(len(q.turns) == 1 and q.turns[0].strip() for q in questions)
+    assert len({q.question_id for q in questions}) == len(questions)
+    assert load_questions(name, limit_per_category=3) == questions[:3]
+
+
+def test_packaged_dataset_contents():
+    humaneval = load_questions("humaneval")
+    assert len(humaneval) == 164
+    assert humaneval[0].question_id == "HumanEval/0"
+    assert humaneval[0].turns[0].startswith("Complete the following Python function:\n```python\n")
+    assert "def has_close_elements" in humaneval[0].turns[0]
+    assert all(len(q.turns[0]) < 2200 for q in load_questions("xsum"))
+    assert load_questions("translation", limit_per_category=1)[0].turns[0].startswith(
+        "Translate the following sentence from English to German:\n"
+    )
+    assert "Answer step by step." in load_questions("asdiv", limit_per_category=1)[0].turns[0]
+
+
+def test_mixed():
+    questions = load_questions("mixed")
+    assert len(questions) == 10
+    counts = Counter(q.category for q in questions)
+    assert counts == {name: 2 for name in PACKAGED_DATASETS if name != "mixed"}
+    assert questions == load_questions("mixed")  # deterministic
+    assert questions[:2] == load_questions("humaneval", limit_per_category=2)
+
+
+def test_ensure_assets_quick():
+    assets.ensure_assets(models=(DEFAULT_MODEL,), datasets=("mixed",))
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def test_encode_turn_chat_template(smollm2):
+    _, tokenizer = smollm2
+    history = [
+        ("What is 2+2?", "2+2 equals 4."),
+        ("And 3+3?", "3+3 equals 6, the first answer doubled."),
+    ]
+    ids = encode_turn(tokenizer, history, "Now add them together.")
+    assert isinstance(ids, list) and ids and all(type(t) is int for t in ids)
+    text = tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "2+2 equals 4." in text and "3+3 equals 6" in text
+    assert text.index("2+2 equals 4.") < text.index("Now add them together.")
+    single = encode_turn(tokenizer, [], "What is 2+2?")
+    assert tokenizer.decode(single).endswith("What is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_encode_turn_without_chat_template(smollm2):
+    _, tokenizer = smollm2
+    template = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = None
+        ids = encode_turn(tokenizer, [("Hi", "Hello!")], "Bye")
+    finally:
+        tokenizer.chat_template = template
+    assert tokenizer.decode(ids).endswith("User: Hi\nAssistant: Hello!\nUser: Bye\nAssistant:")
+
+
+@pytest.mark.parametrize("empty", ["", "   \n"])
+def test_encode_turn_empty(smollm2, empty):
+    _, tokenizer = smollm2
+    with pytest.raises(ValueError, match="prompt is empty"):
+        encode_turn(tokenizer, [], empty)

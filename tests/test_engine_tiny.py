@@ -1,0 +1,152 @@
+"""End-to-end decode loops on a tiny random Llama: greedy exactness and output truncation.
+
+Greedy (T = 0), fp32: speculative decoding must reproduce vanilla decoding token for token,
+whatever the drafter proposes (random trees, retrieval, or an oracle that makes long, non-
+contiguous accepted paths). With ``stop_at_eos`` both loops stop at the first EOS (kept), and
+a step that accepts past EOS or past ``max_new_tokens`` is truncated there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from speculation.config import EngineConfig, RetrievalConfig, SamplingConfig
+from speculation.drafters.base import DraftContext, Drafter
+from speculation.drafters.retrieval import RetrievalDrafter
+from speculation.engine import generate_speculative, generate_vanilla
+from speculation.target import TargetModel
+from tests.helpers import GreedyOracleDrafter, RandomTreeDrafter, single_thread, tiny_llama, tiny_target
+
+VOCAB = 64
+NEW = 40
+PROMPTS = [
+    [5],
+    [1, 2, 3, 4, 5, 6, 7, 8],
+    [10, 20, 10, 20, 10, 20, 10],
+    [63, 0, 17, 42, 42, 42, 9, 31, 8, 8, 1, 60, 2],
+    [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7],
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    with single_thread():
+        yield
+
+
+@functools.lru_cache(maxsize=1)
+def _model():
+    return tiny_llama(vocab_size=VOCAB, seed=42)
+
+
+def greedy_cfg(n: int = NEW, stop_at_eos: bool = False) -> EngineConfig:
+    return EngineConfig(max_new_tokens=n, stop_at_eos=stop_at_eos, sampling=SamplingConfig(temperature=0.0))
+
+
+DRAFTERS = {
+    "random-tree": lambda model: RandomTreeDrafter(VOCAB, seed=3),
+    "retrieval": lambda model: RetrievalDrafter(RetrievalConfig(budget=8), VOCAB),
+    "retrieval-default": lambda model: RetrievalDrafter(RetrievalConfig(), VOCAB),
+    "oracle": lambda model: GreedyOracleDrafter(model, seed=5),
+}
+
+
+def check_steps(res, n_tokens: int) -> None:
+    assert sum(s.tokens_gained for s in res.steps) + 1 == n_tokens  # +1: the prefill token
+    for s in res.steps:
+        assert s.tree_size == s.drafted + 1
+        assert 0 <= s.accepted <= s.drafted
+        assert 1 <= s.tokens_gained <= s.accepted + 1
+        assert sum(s.accepted_by_source.values()) == s.accepted
+        assert sum(s.drafted_by_source.values()) == s.drafted
+
+
+@pytest.mark.parametrize("drafter_name", list(DRAFTERS))
+def test_greedy_speculative_equals_vanilla(drafter_name):
+    model = _model()
+    target = tiny_target(model)
+    drafter = DRAFTERS[drafter_name](model)
+    assert isinstance(drafter, Drafter)
+    total_accepted = 0
+    for prompt in PROMPTS:
+        ref = generate_vanilla(target, prompt, greedy_cfg()).tokens
+        assert len(ref) == NEW
+        res = generate_speculative(target, drafter, prompt, greedy_cfg())
+        assert res.tokens == ref, f"{drafter_name} diverged from vanilla on prompt {prompt}"
+        check_steps(res, NEW)
+        total_accepted += sum(s.accepted for s in res.steps)
+    if drafter_name == "oracle":
+        # Long accepted paths: far fewer verify steps than tokens.
+        assert total_accepted >= NEW * len(PROMPTS) // 2
+    if drafter_name.startswith("retrieval"):
+        assert total_accepted > 0, "retrieval never hit: the test would not exercise acceptance"
+
+
+def test_random_tree_drafter_satisfies_protocol_and_is_deterministic():
+    a, b = RandomTreeDrafter(VOCAB, seed=9), RandomTreeDrafter(VOCAB, seed=9)
+    ctx = DraftContext(tokens=[1, 2, 3], prompt_len=3)
+    for _ in range(20):
+        ta, tb = a.propose(ctx).tree, b.propose(ctx).tree
+        assert ta.tokens == tb.tokens and ta.parents == tb.parents
+        assert ta.root_token == 3
+        assert 2 <= len(ta) <= 9
+        assert all(len(ta.children(i)) <= 3 for i in range(len(ta)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_max_new_tokens_truncates_accepted_paths(n):
+    model = _model()
+    target = tiny_target(model)
+    for prompt in PROMPTS[:3]:
+        ref = generate_vanilla(target, prompt, greedy_cfg(NEW)).tokens
+        res = generate_speculative(target, GreedyOracleDrafter(model, seed=1, corrupt=0.0), prompt, greedy_cfg(n))
+        assert res.tokens == ref[:n]
+        assert generate_vanilla(target, prompt, greedy_cfg(n)).tokens == ref[:n]
+
+
+def _eos_case(model) -> tuple[list[int], int, int]:
+    """(prompt, eos token, index of its first occurrence) with the EOS well inside the output."""
+    target = TargetModel(model, None, aux_layers=(1, 2, 3))
+    for prompt in PROMPTS:
+        out = generate_vanilla(target, prompt, greedy_cfg()).tokens
+        for j in range(3, NEW - 5):
+            if out[j] not in out[:j]:
+                return prompt, out[j], j
+    pytest.skip("no token makes a usable EOS for this model")
+
+
+@pytest.mark.parametrize("drafter_name", list(DRAFTERS))
+def test_stop_at_eos_truncates_at_first_eos(drafter_name):
+    model = tiny_llama(vocab_size=VOCAB, seed=42)  # own copy: the EOS setting must not leak
+    prompt, eos, j = _eos_case(model)
+    full = generate_vanilla(tiny_target(model), prompt, greedy_cfg()).tokens
+    model.generation_config.eos_token_id = eos
+    target = tiny_target(model)
+    assert target.eos_token_ids == frozenset({eos})
+
+    van = generate_vanilla(target, prompt, greedy_cfg(stop_at_eos=True)).tokens
+    assert van == full[: j + 1] and van[-1] == eos
+
+    res = generate_speculative(target, DRAFTERS[drafter_name](model), prompt, greedy_cfg(stop_at_eos=True))
+    assert res.tokens == full[: j + 1]
+    check_steps(res, j + 1)
+
+    # stop_at_eos=False ignores EOS in both loops.
+    assert generate_vanilla(target, prompt, greedy_cfg()).tokens == full
+    assert generate_speculative(target, DRAFTERS[drafter_name](model), prompt, greedy_cfg()).tokens == full
+
+
+def test_eos_inside_an_accepted_path_is_truncated_mid_step():
+    """The oracle accepts several tokens per step, so EOS lands mid-path; the rest is dropped."""
+    model = tiny_llama(vocab_size=VOCAB, seed=42)
+    prompt, eos, j = _eos_case(model)
+    full = generate_vanilla(tiny_target(model), prompt, greedy_cfg()).tokens
+    model.generation_config.eos_token_id = [eos]  # list form, as many checkpoints store it
+    target = tiny_target(model)
+    res = generate_speculative(target, GreedyOracleDrafter(model, seed=2, depth=8, corrupt=0.0), prompt,
+                               greedy_cfg(stop_at_eos=True))
+    assert res.tokens == full[: j + 1]
+    last = res.steps[-1]
+    assert last.tokens_gained < last.accepted + 1, "EOS did not land inside an accepted path"

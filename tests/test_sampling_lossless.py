@@ -1,0 +1,265 @@
+"""Statistical losslessness of speculative sampling (ALGORITHMS.md section 2b/2c).
+
+Setup. A tiny random Llama (vocabulary 10, fixed seed) whose lm_head is scaled up (x15) so that,
+after temperature 0.8 and top-p 0.9, the next-token distributions range from flat (max prob
+~0.26) to peaky (max prob ~0.76) and top-p truncation is active. Enumerating every continuation
+with plain full forwards and :func:`speculation.verify.target_probs` gives the EXACT
+distribution ``p*`` of the first ``K = 3`` generated tokens (about 120 sequences have mass).
+
+Each decoding loop under test (vanilla; speculative with random multi-branch trees; speculative
+with the retrieval drafter) draws ``N = 2000`` independent 3-token continuations of one prompt,
+every sample with its own ``SamplingConfig.seed``.
+
+* Null hypothesis H0: the samples are i.i.d. draws from ``p*`` (the loop is lossless).
+* Statistic: Pearson's chi-square ``X^2 = sum_c (O_c - E_c)^2 / E_c`` over the cells of ``p*``
+  with ``E_c = N p*(c)``; cells with ``E_c < 5`` are pooled into one cell (merged with the
+  smallest regular cell if the pool itself is below 5). ``df = cells - 1``; the p-value is the
+  chi-square survival function ``Q(df/2, X^2/2)`` (regularised upper incomplete gamma,
+  ``torch.special.gammaincc``; scipy is not needed). A sample outside the support of ``p*``
+  fails the test outright.
+* Significance level: alpha = 1e-3; H0 is rejected when p < alpha.
+
+False failures. Under H0 a correct implementation fails one such test with probability alpha
+(1 in 1000) over the choice of seeds. The seeds are fixed (model, drafters, every sample's
+sampling seed), so the outcome is deterministic run to run: a passing test stays passing until
+the code changes what is sampled, and a failure is reproducible (look at it, do not re-run it).
+
+Negative control. A goodness-of-fit test that never fails proves nothing: with too few samples,
+too much pooling, or a bug in the statistic it would pass any sampler. So the same test, with
+the same N, model and drafter, is run against a deliberately broken acceptance rule (accept a
+candidate when ``U <= min(1, 2 P(x))``, which over-samples drafted tokens) and must REJECT it
+(p < alpha). That shows the test has the power to detect a realistic verification bug at this N.
+
+Runtime: about 15 s per loop (N = 2000) on 2 CPU cores, about 60 s for the module.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from speculation import verify as V
+from speculation.config import EngineConfig, RetrievalConfig, SamplingConfig
+from speculation.drafters.retrieval import RetrievalDrafter
+from speculation.engine import generate_speculative, generate_vanilla
+from speculation.tree import ROOT, DraftTree
+from tests.helpers import RandomTreeDrafter, full_logits, single_thread, tiny_llama, tiny_target
+
+VOCAB = 10
+K = 3  # generated tokens per sample
+N = 2000  # samples per loop under test (~15 s per loop on 2 CPU cores)
+ALPHA = 1e-3
+LM_HEAD_SCALE = 15.0  # the default init (std 0.02) gives near-uniform logits; x15 mixes flat and peaky
+PROMPT = [1, 2, 3, 4, 1, 2, 3]
+SAMPLING = SamplingConfig(temperature=0.8, top_p=0.9)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    with single_thread():
+        yield
+
+
+@functools.lru_cache(maxsize=1)
+def _model():
+    return tiny_llama(vocab_size=VOCAB, seed=0, lm_head_scale=LM_HEAD_SCALE)
+
+
+@functools.lru_cache(maxsize=1)
+def exact_distribution() -> dict[tuple[int, ...], float]:
+    """``p*``: probability of every K-token continuation of PROMPT, by exhaustive enumeration."""
+    procs = V.build_processors(SAMPLING)
+    model = _model()
+    dist: dict[tuple[int, ...], float] = {}
+
+    def expand(seq: list[int], prob: float) -> None:
+        if len(seq) == len(PROMPT) + K:
+            dist[tuple(seq[len(PROMPT) :])] = prob
+            return
+        p = V.target_probs(full_logits(model, seq)[-1:], procs)[0].double()
+        for tok in range(VOCAB):
+            if p[tok] > 0:
+                expand(seq + [tok], prob * float(p[tok]))
+
+    expand(list(PROMPT), 1.0)
+    return dist
+
+
+def draft_weights() -> list[float]:
+    """Token weights of the random-tree drafter: the target's unigram frequencies under p*, floored.
+
+    Real drafters propose likely tokens; so does this one (trees are still random, and chosen
+    from the drafter's own RNG, independently of the verifier's uniforms). With uniform draft
+    tokens most proposals are rejected, and the bias of a broken acceptance rule largely averages
+    out over random candidate sets (the negative control then only reached p ~ 0.03 at N = 3000).
+    """
+    freq = [0.0] * VOCAB
+    for seq, prob in exact_distribution().items():
+        for tok in seq:
+            freq[tok] += prob / K
+    return [f + 0.02 for f in freq]
+
+
+# ---------------------------------------------------------------------------- the statistic
+def chi2_sf(x: float, df: int) -> float:
+    """Survival function of the chi-square distribution: Q(df/2, x/2)."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), torch.tensor(x / 2.0, dtype=torch.float64)))
+
+
+def chi_square_gof(counts: Counter, dist: dict[tuple[int, ...], float], n: int) -> tuple[float, int, float]:
+    """Pearson chi-square of ``counts`` (n samples) against ``dist``, pooling cells with E < 5.
+
+    Returns (statistic, degrees of freedom, p-value).
+    """
+    cells = sorted(dist, key=lambda c: dist[c])  # ascending expected count
+    bins: list[tuple[float, int]] = []  # (expected, observed)
+    pool_e, pool_o = 0.0, 0
+    for c in cells:
+        e = n * dist[c]
+        if e < 5.0:
+            pool_e += e
+            pool_o += counts.get(c, 0)
+        else:
+            bins.append((e, counts.get(c, 0)))
+    if pool_e > 0.0:
+        if pool_e < 5.0 and bins:  # too small on its own: merge with the smallest regular cell
+            e, o = bins.pop(0)
+            pool_e, pool_o = pool_e + e, pool_o + o
+        bins.append((pool_e, pool_o))
+    stat = sum((o - e) ** 2 / e for e, o in bins)
+    df = len(bins) - 1
+    return stat, df, chi2_sf(stat, df)
+
+
+def run_test(sample_fn, n: int = N) -> tuple[float, int, float, Counter]:
+    """Draw ``n`` K-token samples with ``sample_fn(seed)`` and test them against ``p*``."""
+    dist = exact_distribution()
+    counts: Counter = Counter()
+    for seed in range(n):
+        toks = tuple(sample_fn(seed))
+        assert len(toks) == K
+        counts[toks] += 1
+    outside = {c: k for c, k in counts.items() if c not in dist}
+    assert not outside, f"sampled continuations the target gives probability 0: {outside}"
+    stat, df, p = chi_square_gof(counts, dist, n)
+    return stat, df, p, counts
+
+
+def engine_cfg(seed: int) -> EngineConfig:
+    return EngineConfig(
+        max_new_tokens=K,
+        stop_at_eos=False,
+        sampling=SamplingConfig(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, seed=seed),
+    )
+
+
+# ---------------------------------------------------------------------------- checks of the checker
+def test_exact_distribution_is_a_nontrivial_distribution():
+    dist = exact_distribution()
+    assert math.isclose(sum(dist.values()), 1.0, abs_tol=1e-5)  # fp32 softmax
+    assert 30 <= len(dist) < VOCAB**K  # top-p truncates, but many sequences remain
+    probs = sorted(dist.values(), reverse=True)
+    assert probs[0] > 5 * probs[len(probs) // 2]  # far from uniform
+
+
+def test_chi2_sf_matches_known_values():
+    # Reference quantiles of the chi-square distribution.
+    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, abs=1e-9)
+    assert chi2_sf(10.827566170662733, 1) == pytest.approx(0.001, abs=1e-9)
+    assert chi2_sf(2.0 * 10, 20) == pytest.approx(0.45792971447185, abs=1e-9)
+    assert chi2_sf(149.44925277903857, 100) == pytest.approx(0.001, abs=1e-7)
+    assert chi2_sf(0.0, 5) == pytest.approx(1.0)
+
+
+def test_chi_square_on_exact_multinomial_draws_passes():
+    """Sampling straight from p* with torch passes; sampling from a distorted p* fails."""
+    dist = exact_distribution()
+    cells = list(dist)
+    probs = torch.tensor([dist[c] for c in cells], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(probs, N, replacement=True, generator=gen).tolist()
+    _, _, p = chi_square_gof(Counter(cells[i] for i in draws), dist, N)
+    assert p >= ALPHA
+    distorted = probs**1.3
+    distorted /= distorted.sum()
+    draws = torch.multinomial(distorted, N, replacement=True, generator=gen).tolist()
+    _, _, p = chi_square_gof(Counter(cells[i] for i in draws), dist, N)
+    assert p < ALPHA
+
+
+# ---------------------------------------------------------------------------- the loops
+def test_vanilla_sampling_matches_exact_distribution():
+    target = tiny_target(_model())
+    stat, df, p, _ = run_test(lambda seed: generate_vanilla(target, PROMPT, engine_cfg(seed)).tokens)
+    print(f"vanilla: X^2={stat:.1f}, df={df}, p={p:.3g}")
+    assert p >= ALPHA, f"vanilla: X^2={stat:.1f}, df={df}, p={p:.2e}"
+
+
+def test_speculative_random_trees_are_lossless():
+    target = tiny_target(_model())
+    drafter = RandomTreeDrafter(VOCAB, seed=7, max_nodes=8, max_siblings=3, token_weights=draft_weights())
+    accepted = []
+
+    def sample(seed: int) -> list[int]:
+        res = generate_speculative(target, drafter, PROMPT, engine_cfg(seed))
+        accepted.extend(s.accepted for s in res.steps)
+        return res.tokens
+
+    stat, df, p, _ = run_test(sample)
+    print(f"random-tree speculative: X^2={stat:.1f}, df={df}, p={p:.3g}, accepted={sum(accepted)}")
+    assert p >= ALPHA, f"random-tree speculative: X^2={stat:.1f}, df={df}, p={p:.2e}"
+    assert sum(accepted) > N // 4, "drafts were (almost) never accepted: the test exercised nothing"
+
+
+def test_speculative_retrieval_is_lossless():
+    target = tiny_target(_model())
+    drafter = RetrievalDrafter(RetrievalConfig(budget=8), VOCAB)
+    accepted = []
+
+    def sample(seed: int) -> list[int]:
+        res = generate_speculative(target, drafter, PROMPT, engine_cfg(seed))
+        accepted.extend(s.accepted for s in res.steps)
+        return res.tokens
+
+    stat, df, p, _ = run_test(sample)
+    print(f"retrieval speculative: X^2={stat:.1f}, df={df}, p={p:.3g}, accepted={sum(accepted)}")
+    assert p >= ALPHA, f"retrieval speculative: X^2={stat:.1f}, df={df}, p={p:.2e}"
+    assert sum(accepted) > N // 4, "drafts were (almost) never accepted: the test exercised nothing"
+
+
+def _broken_sample(tree: DraftTree, logits: torch.Tensor, processors, generator: torch.Generator) -> V.VerifyResult:
+    """A WRONG acceptance rule: accept candidate x when U <= min(1, 2 P(x)) (over-accepts drafts)."""
+    cur = ROOT
+    accepted = [ROOT]
+    while True:
+        probs = V.target_probs(logits[cur : cur + 1], processors)[0]
+        moved = False
+        for child in tree.children(cur):
+            x = tree.tokens[child]
+            u = float(torch.rand((), generator=generator))
+            if probs[x] > 0 and u <= min(1.0, 2.0 * float(probs[x])):
+                accepted.append(child)
+                cur = child
+                moved = True
+                break
+            probs[x] = 0.0
+            if float(probs.sum()) <= 0.0:
+                break
+            probs = probs / probs.sum()
+        if not moved:
+            bonus = int(torch.multinomial(probs, 1, generator=generator))
+            return V.VerifyResult(accepted=accepted, bonus_token=bonus, tree_depth=tree.max_depth())
+
+
+def test_negative_control_broken_acceptance_is_rejected(monkeypatch):
+    """The same test at the same N must detect a biased acceptance rule (it has power)."""
+    monkeypatch.setattr(V, "sample", _broken_sample)
+    target = tiny_target(_model())
+    drafter = RandomTreeDrafter(VOCAB, seed=7, max_nodes=8, max_siblings=3, token_weights=draft_weights())
+    stat, df, p, _ = run_test(lambda seed: generate_speculative(target, drafter, PROMPT, engine_cfg(seed)).tokens)
+    print(f"negative control: X^2={stat:.1f}, df={df}, p={p:.3g}")
+    assert p < ALPHA, f"broken acceptance was NOT detected: X^2={stat:.1f}, df={df}, p={p:.2e}"
