@@ -171,24 +171,8 @@ class TargetModel:
     @torch.inference_mode()
     def commit(self, state: TargetState, tree: DraftTree, accepted: list[int]) -> None:
         """Keep only the accepted path's KV rows (root first) after a :meth:`verify` of ``tree``."""
-        T = len(tree)
-        n = state.length - T
-        m1 = len(accepted)
-        if accepted[0] != 0:
-            raise ValueError("accepted path must start at the root (node 0)")
-        contiguous = accepted == list(range(m1))
-        for layer in state.cache.layers:
-            stored = layer.keys.shape[-2]
-            base = stored - T  # tree rows are the last T rows of every layer
-            if not contiguous:
-                idx = torch.tensor([base + a for a in accepted], device=layer.keys.device)
-                layer.keys[:, :, base : base + m1] = layer.keys.index_select(2, idx)
-                layer.values[:, :, base : base + m1] = layer.values.index_select(2, idx)
-            layer.keys = layer.keys[:, :, : base + m1]
-            layer.values = layer.values[:, :, : base + m1]
-            if hasattr(layer, "cumulative_length"):
-                layer.cumulative_length -= T - m1
-        state.length = n + m1
+        compact_kv(state.cache.layers, len(tree), accepted)
+        state.length = state.length - len(tree) + len(accepted)
         state.tokens.extend(tree.tokens[a] for a in accepted)
 
     @torch.inference_mode()
@@ -214,3 +198,30 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) 
             continue
         ids.update(src if isinstance(src, (list, tuple)) else [src])
     return frozenset(int(i) for i in ids)
+
+
+@torch.inference_mode()
+def compact_kv(layers: list, tree_len: int, accepted: list[int]) -> None:
+    """Move the accepted tree rows to the front of the tree block and drop the rest.
+
+    For every initialised cache layer, the last ``tree_len`` rows hold the tree nodes; rows
+    ``base + accepted`` are copied to ``base .. base + m`` and the layer is cut to ``base + m + 1``.
+    Uninitialised layers (another shard's) are skipped, so a pipeline shard can call this on a
+    full-size cache that holds only its own layers.
+    """
+    if not accepted or accepted[0] != 0:
+        raise ValueError("accepted path must start at the root (node 0)")
+    m1 = len(accepted)
+    contiguous = accepted == list(range(m1))
+    for layer in layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        base = layer.keys.shape[-2] - tree_len  # tree rows are the last tree_len rows
+        if not contiguous:
+            idx = torch.tensor([base + a for a in accepted], device=layer.keys.device)
+            layer.keys[:, :, base : base + m1] = layer.keys.index_select(2, idx)
+            layer.values[:, :, base : base + m1] = layer.values.index_select(2, idx)
+        layer.keys = layer.keys[:, :, : base + m1]
+        layer.values = layer.values[:, :, : base + m1]
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length -= tree_len - m1

@@ -153,20 +153,39 @@ class SuffixArrayDatastore:
 
 
 class TransitionTable:
-    """Dense ``[V, k]`` table of likely successors per token (-1 = empty), updated online."""
+    """Likely successors per token, updated online (Token Recycling, plus a second order).
 
-    def __init__(self, vocab_size: int, topk: int) -> None:
+    * ``table[u]``: dense ``[V, k]`` int32 rows, -1 = empty; the target's top-k after token u.
+    * ``pairs[(t, u)]``: the target's top-k after the two tokens (t, u), kept for the most
+      recent ``max_pairs`` pairs. A pair row is more specific, so it is preferred when present.
+    """
+
+    def __init__(self, vocab_size: int, topk: int, max_pairs: int = 200_000) -> None:
         self.topk = topk
         self.table = np.full((vocab_size, topk), -1, dtype=np.int32)
+        self.pairs: dict[tuple[int, int], list[int]] = {}
+        self.max_pairs = max_pairs
 
-    def successors(self, token: int, width: int) -> list[int]:
-        row = self.table[token, :width].tolist()
-        return [t for t in row if t >= 0]
+    def successors(self, prev: int | None, token: int, width: int) -> tuple[list[int], bool]:
+        """(successors of ``token`` after ``prev``, whether the second-order row was used)."""
+        row = self.pairs.get((prev, token)) if prev is not None else None
+        if row is not None:
+            return row[:width], True
+        return [t for t in self.table[token, :width].tolist() if t >= 0], False
 
-    def recycle(self, tokens: list[int], topk_ids: torch.Tensor) -> None:
-        """``A[tokens[i]] = topk_ids[i]`` for every verified node i (Token Recycling)."""
+    def recycle(self, tokens: list[int], prev_tokens: list[int | None], topk_ids: torch.Tensor) -> None:
+        """``A[tokens[i]] = topk_ids[i]`` and ``pairs[(prev_tokens[i], tokens[i])] = topk_ids[i]``."""
         ids = topk_ids[:, : self.topk].to(torch.int32).cpu().numpy()
         self.table[np.asarray(tokens, dtype=np.int64)] = ids
+        rows = ids.tolist()
+        for prev, tok, row in zip(prev_tokens, tokens, rows):
+            if prev is None:
+                continue
+            key = (prev, tok)
+            self.pairs.pop(key, None)  # re-insert: dict order is recency order
+            self.pairs[key] = row
+        while len(self.pairs) > self.max_pairs:
+            del self.pairs[next(iter(self.pairs))]
 
     def seed_bigrams(self, tokens: list[int]) -> None:
         """Put each observed successor first in its predecessor's row (the rest shift right)."""
@@ -214,7 +233,9 @@ class RetrievalDrafter:
         )
         # Priors: longer matches are more reliable; lower-ranked successors less so.
         self.suffix_conf = [_Rate(min(0.9, 0.3 + 0.1 * b)) for b in range(_MAX_BUCKET + 1)]
-        self.rank_conf = [_Rate(0.35 / (1 + j)) for j in range(max(1, config.transition_topk))]
+        # Table ranks: buckets 0..k-1 for first-order rows, k..2k-1 for second-order rows.
+        k = max(1, config.transition_topk)
+        self.rank_conf = [_Rate(0.35 / (1 + j)) for j in range(k)] + [_Rate(0.5 / (1 + j)) for j in range(k)]
         self.index = SuffixIndex(config.max_match_len + config.max_depth)
         self._full: tuple[DraftTree, list[tuple[_Kind, int] | None]] = (DraftTree(0), [None])
         self.cost_model: VerifyCostModel | None = None
@@ -257,7 +278,10 @@ class RetrievalDrafter:
                 break
             cur = nxt
         if self.table is not None and outcome.target_topk is not None:
-            self.table.recycle(outcome.tree.tokens, outcome.target_topk)
+            tree = outcome.tree
+            root_prev = ctx.tokens[-len(outcome.accepted) - 2] if len(ctx.tokens) > len(outcome.accepted) + 1 else None
+            prev = [root_prev] + [tree.tokens[p] for p in tree.parents[1:]]
+            self.table.recycle(tree.tokens, prev, outcome.target_topk)
         self._sync(ctx.tokens)
 
     # ------------------------------------------------------------------ tree building
@@ -292,11 +316,14 @@ class RetrievalDrafter:
                 counter += 1
                 heapq.heappush(heap, (-(logp + math.log(p)), counter, parent, tok, _Kind.SUFFIX, bucket, child))
 
-        def push_table(parent: int, logp: float, token: int) -> None:
+        def push_table(parent: int, logp: float, prev: int | None, token: int) -> None:
             nonlocal counter
             if self.table is None or not cfg.transition_fill:
                 return
-            for j, tok in enumerate(self.table.successors(token, cfg.transition_width)):
+            succ, second_order = self.table.successors(prev, token, cfg.transition_width)
+            offset = self.table.topk if second_order else 0
+            for j, tok in enumerate(succ):
+                j += offset
                 p = self.rank_conf[j].value
                 if p < cfg.min_token_prob:
                     continue
@@ -310,7 +337,10 @@ class RetrievalDrafter:
             found = self.datastore.lookup(tokens, cfg.min_match_len, cfg.max_depth)
             if found is not None:
                 push_trie(root_node, base_logp, found[1], found[0])
-        push_table(root_node, base_logp, tree.tokens[root_node])
+        root_prev = (
+            tree.tokens[tree.parents[root_node]] if root_node > 0 else (tokens[-2] if len(tokens) > 1 else None)
+        )
+        push_table(root_node, base_logp, root_prev, tree.tokens[root_node])
 
         root_depth = tree.depths[root_node]
         added = 0
@@ -325,5 +355,5 @@ class RetrievalDrafter:
                 continue
             if trie_child is not None and trie_child.children:
                 push_trie(idx, -neg_logp, trie_child, bucket + 1)
-            push_table(idx, -neg_logp, tok)
+            push_table(idx, -neg_logp, tree.tokens[parent], tok)
         return tree, meta
