@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ def _load_yaml(path: str | None) -> dict:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="packaged alias, HF id or local dir")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float32 (default bfloat16; --verify-curve: both)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
 
@@ -78,7 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         model=args.model,
-        dtype=args.dtype,
+        dtype=args.dtype or "bfloat16",
         dataset=args.dataset,
         limit_per_category=args.limit_per_category,
         max_new_tokens=args.max_new_tokens,
@@ -109,6 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bar.update(1)
 
     result = run_bench(cfg, target, questions, method_configs, progress)
+    result["command"] = "graftblock " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bar.close()
     report.render(result, console)
     out = Path(args.json)
@@ -129,7 +131,7 @@ def _verify_curve(args: argparse.Namespace, console) -> int:
     from speculation.bench import verify_curve
     from speculation.bench.runner import environment
 
-    dtypes = [d.strip() for d in args.dtype.split(",")] if "," in args.dtype else ["float32", "bfloat16"]
+    dtypes = [d.strip() for d in args.dtype.split(",")] if args.dtype else ["float32", "bfloat16"]
     curves = {}
     for dt in dtypes:
         target = _load_target(args.model, dt)
@@ -138,7 +140,8 @@ def _verify_curve(args: argparse.Namespace, console) -> int:
         curves[DType.parse(dt).value] = {"seconds": {str(k): v for k, v in curve.items()}, "decode_s": decode}
         row = "  ".join(f"T={k}:{1000 * v:.0f}ms" for k, v in curve.items())
         console.print(f"{dt}: {row}")
-    result = {"model": args.model, "kind": "verify_curve", "env": environment(), "curves": curves}
+    result = {"model": args.model, "kind": "verify_curve", "env": environment(), "curves": curves,
+              "command": "graftblock " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -175,7 +178,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if not args.prompt or not args.prompt.strip():
         raise ValueError("prompt is empty: pass --prompt TEXT")
-    target = _load_target(args.model, args.dtype)
+    target = _load_target(args.model, args.dtype or "bfloat16")
     ids = assets.encode_turn(target.tokenizer, [], args.prompt)
     drafter = build_drafter(spec, target)
     t0 = time.perf_counter()

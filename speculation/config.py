@@ -236,3 +236,49 @@ _NESTED: dict[tuple[str, str], type] = {
     ("EngineConfig", "sampling"): SamplingConfig,
     ("BenchConfig", "sampling"): SamplingConfig,
 }
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Knobs of the EAGLE-3 dynamic-tree drafter (ALGORITHMS.md section 3).
+
+    The tree grows ``depth`` levels below the first one (one drafter forward each) with beam
+    width ``top_k``; the pool of ``top_k + depth * top_k**2`` candidates is reranked by cumulative
+    log-probability to ``total_tokens - 1`` draft nodes (so the verified tree, root included,
+    holds at most ``total_tokens`` tokens and is at most ``depth + 1`` deep).
+    """
+
+    AUTO = "auto"
+    RANDOM = "random"
+
+    total_tokens: int = 48
+    """Verified tree size, root included (EAGLE's ``total_token``). Range [2, 1024]."""
+    depth: int = 5
+    """Expansion forwards after the first draft level; max tree depth is depth + 1. Range [1, 32]."""
+    top_k: int = 8
+    """Beam width and children per expanded node. Range [1, 64]."""
+    checkpoint: str = "auto"
+    """``auto`` (the committed checkpoint under ``<repo>/checkpoints`` matching the target),
+    ``random`` (untrained head: tests and baselines), or a checkpoint directory / .safetensors."""
+    draft_vocab_size: int = 8192
+    """Draft vocabulary of a ``random`` head (a checkpoint brings its own). Range [1, 1048576]."""
+    seed: int = 0
+    """Initialisation seed of a ``random`` head. Range >= 0."""
+
+    def __post_init__(self) -> None:
+        o = "eagle3"
+        _check_int(o, "total_tokens", self.total_tokens, 2, 1024)
+        _check_int(o, "depth", self.depth, 1, 32)
+        _check_int(o, "top_k", self.top_k, 1, 64)
+        _check_int(o, "draft_vocab_size", self.draft_vocab_size, 1, 1 << 20)
+        _check_int(o, "seed", self.seed, 0)
+        pool = self.top_k + self.depth * self.top_k**2
+        if self.total_tokens - 1 > pool:
+            raise ConfigError(
+                f"{o}.total_tokens - 1 = {self.total_tokens - 1} exceeds the candidate pool top_k + depth * "
+                f"top_k^2 = {pool} (top_k={self.top_k}, depth={self.depth}); lower total_tokens or raise top_k/depth"
+            )
+        if not isinstance(self.checkpoint, str) or not self.checkpoint.strip():
+            raise ConfigError(f"{o}.checkpoint must be 'auto', 'random' or a path, got {self.checkpoint!r}")
+        if self.checkpoint not in (self.AUTO, self.RANDOM) and not Path(self.checkpoint).expanduser().exists():
+            raise ConfigError(f"{o}.checkpoint: no such file or directory {self.checkpoint!r}")

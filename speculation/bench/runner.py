@@ -21,11 +21,14 @@ from speculation import assets
 from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedup
 from speculation.bench.peers import Peer, parse_peers, run_peer
 from speculation.config import BenchConfig, EngineConfig, to_dict
-from speculation.drafters import MethodSpec, build_drafter, resolve_methods
-from speculation.engine import GenerationResult, generate_speculative, generate_vanilla
+from speculation.drafters import Drafter, DrafterType, MethodSpec, build_drafter, resolve_methods
+from speculation.engine import GenerationResult, TargetBackend, generate_speculative, generate_vanilla
 from speculation.target import TargetModel
 
 BASELINE = "vanilla"
+
+MethodParts = Callable[[MethodSpec], tuple[TargetBackend, Drafter]]
+"""Supplies a method's target backend and a fresh drafter (see :func:`run_bench`)."""
 
 
 def environment() -> dict:
@@ -64,20 +67,32 @@ class _Runner:
     """Runs one method (or peer) on turns, keeping per-method conversation histories."""
 
     def __init__(self, name: str, target: TargetModel, engine: EngineConfig,
-                 spec: MethodSpec | None = None, peer: Peer | None = None) -> None:
+                 spec: MethodSpec | None = None, peer: Peer | None = None,
+                 method_parts: MethodParts | None = None) -> None:
         self.name = name
         self.target = target
         self.engine = engine
         self.spec = spec
         self.peer = peer
-        self.drafter = build_drafter(spec, target) if spec is not None else None
+        self.method_parts = method_parts
+        self.backend: TargetBackend = target
+        self.drafter = self.build()
+
+    def build(self) -> Drafter | None:
+        """A fresh drafter (None for vanilla and peers); ``method_parts`` also picks the backend."""
+        if self.spec is None:
+            return None
+        if self.method_parts is not None and self.spec.type != DrafterType.VANILLA:
+            self.backend, drafter = self.method_parts(self.spec)
+            return drafter
+        return build_drafter(self.spec, self.target)
 
     def generate(self, prompt_ids: list[int]) -> GenerationResult:
         if self.peer is not None:
             return run_peer(self.peer, self.target, prompt_ids, self.engine.max_new_tokens, self.engine.sampling)
         if self.drafter is None:
             return generate_vanilla(self.target, prompt_ids, self.engine)
-        return generate_speculative(self.target, self.drafter, prompt_ids, self.engine)
+        return generate_speculative(self.backend, self.drafter, prompt_ids, self.engine)
 
 
 def run_bench(
@@ -86,8 +101,14 @@ def run_bench(
     questions: list[assets.Question],
     method_configs: dict | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    method_parts: MethodParts | None = None,
 ) -> dict:
-    """Run the bench and return the result dict (DESIGN.md "Bench CLI contract")."""
+    """Run the bench and return the result dict (DESIGN.md "Bench CLI contract").
+
+    ``method_parts(spec) -> (backend, drafter)``, when given, supplies every non-vanilla
+    method's target backend and a fresh drafter (e.g. Ray actors); vanilla and peers still run
+    on the in-process ``target``, the baseline.
+    """
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     names = list(cfg.methods)
@@ -97,7 +118,7 @@ def run_bench(
     peers = parse_peers(",".join(cfg.peers))
     engine = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling)
     tok = target.tokenizer
-    runners = [_Runner(s.name, target, engine, spec=s) for s in specs]
+    runners = [_Runner(s.name, target, engine, spec=s, method_parts=method_parts) for s in specs]
     runners += [_Runner(p.value, target, engine, peer=p) for p in peers]
     results = {r.name: MethodRuns(r.name) for r in runners}
 
@@ -112,7 +133,7 @@ def run_bench(
         # Drafters start measured runs from a fresh state: warm-up must not leak retrieval data.
         for r in runners:
             if r.spec is not None:
-                r.drafter = build_drafter(r.spec, target)
+                r.drafter = r.build()
 
     for qi, q in enumerate(questions):
         turns = q.turns[: cfg.max_turns] if cfg.max_turns else q.turns

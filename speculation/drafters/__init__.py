@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from speculation.config import ConfigError, RetrievalConfig, from_dict, to_dict
+from speculation.config import ConfigError, Eagle3Config, RetrievalConfig, from_dict, to_dict
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
+from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 
 __all__ = [
@@ -35,15 +36,18 @@ class DrafterType(str, enum.Enum):
 
     VANILLA = "vanilla"
     RETRIEVAL = "retrieval"
+    EAGLE3 = "eagle3"
 
 
 _CONFIGS: dict[DrafterType, type | None] = {
     DrafterType.VANILLA: None,
     DrafterType.RETRIEVAL: RetrievalConfig,
+    DrafterType.EAGLE3: Eagle3Config,
 }
 
 _BUILDERS: dict[DrafterType, Callable[[Any, Any], Drafter]] = {
     DrafterType.RETRIEVAL: lambda cfg, target: RetrievalDrafter(cfg, target.vocab_size),
+    DrafterType.EAGLE3: build_eagle3_drafter,
 }
 
 

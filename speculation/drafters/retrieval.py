@@ -42,12 +42,45 @@ from speculation.drafters.base import DraftContext, Proposal, StepOutcome
 from speculation.tree import DraftTree, NodeSource
 
 
+_TOP_CHILDREN = 4  # continuations kept per trie node, by count: the only ones ever proposed
+
+
 class _TrieNode:
-    __slots__ = ("children", "count")
+    """A count-trie node: ``children[token]``, ``count`` (occurrences of this substring),
+    ``total`` (sum of the children's counts) and ``top`` (up to ``_TOP_CHILDREN`` child tokens,
+    most frequent first, maintained incrementally so proposing never scans all children)."""
+
+    __slots__ = ("children", "count", "total", "top")
 
     def __init__(self) -> None:
         self.children: dict[int, _TrieNode] = {}
         self.count = 0
+        self.total = 0
+        self.top: list[int] = []
+
+    def bump(self, token: int) -> "_TrieNode":
+        """Count one more occurrence of ``token`` after this node; return the child (O(1))."""
+        child = self.children.get(token)
+        if child is None:
+            child = _TrieNode()
+            self.children[token] = child
+        child.count += 1
+        self.total += 1
+        top = self.top
+        if token in top:
+            i = top.index(token)
+        elif len(top) < _TOP_CHILDREN:
+            top.append(token)
+            i = len(top) - 1
+        elif child.count > self.children[top[-1]].count:
+            top[-1] = token
+            i = len(top) - 1
+        else:
+            return child
+        while i > 0 and self.children[top[i - 1]].count < child.count:
+            top[i - 1], top[i] = top[i], top[i - 1]
+            i -= 1
+        return child
 
 
 class SuffixIndex:
@@ -65,15 +98,8 @@ class SuffixIndex:
 
     def append(self, token: int) -> None:
         """Extend every live suffix by ``token`` (O(depth))."""
-        new_active = []
-        for node in [self.root, *self.active[: self.depth - 1]]:
-            child = node.children.get(token)
-            if child is None:
-                child = _TrieNode()
-                node.children[token] = child
-            child.count += 1
-            new_active.append(child)
-        self.active = new_active
+        self.root.count += 1
+        self.active = [node.bump(token) for node in (self.root, *self.active[: self.depth - 1])]
         self.length += 1
 
     def extend(self, tokens: list[int]) -> None:
@@ -141,12 +167,10 @@ class SuffixArrayDatastore:
                 starts = starts[:: max(1, len(starts) // self.max_continuations)][: self.max_continuations]
             root = _TrieNode()
             for s in starts.tolist():
-                cont = self.tokens[s + k : s + k + max_depth].tolist()
                 node = root
                 node.count += 1
-                for t in cont:
-                    node = node.children.setdefault(t, _TrieNode())
-                    node.count += 1
+                for t in self.tokens[s + k : s + k + max_depth].tolist():
+                    node = node.bump(t)
             if root.children:
                 return k, root
         return None
@@ -306,11 +330,11 @@ class RetrievalDrafter:
 
         def push_trie(parent: int, logp: float, node: _TrieNode, eff_len: int) -> None:
             nonlocal counter
-            total = sum(c.count for c in node.children.values())
             bucket = min(eff_len, _MAX_BUCKET)
             conf = self.suffix_conf[bucket].value
-            for tok, child in node.children.items():
-                p = child.count / total * conf
+            for tok in node.top:
+                child = node.children[tok]
+                p = child.count / node.total * conf
                 if p < cfg.min_token_prob:
                     continue
                 counter += 1

@@ -1,0 +1,168 @@
+"""``RayTargetBackend``: the :class:`~speculation.engine.TargetBackend` protocol over shard actors.
+
+The decode loop in ``speculation/engine.py`` runs unchanged on this backend. Each call becomes
+one pipeline pass: the coordinator submits ``forward`` to every shard in order, handing shard k's
+output *reference* to shard k+1 (Ray moves the hidden states between the actors directly, not
+through the coordinator), and waits only for the last shard's logits and the aux parts.
+``commit`` and ``truncate`` are submitted without waiting (calls from one caller to one actor run
+in order); their results are checked together with the next forward, so an error still surfaces.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from speculation.target import TargetModel, TreeForward
+from speculation.tree import DraftTree
+from workers.shard import StepInput, StepKind, TargetInfo
+from workers.wire import WireTensor
+
+
+@dataclass
+class RayTargetState:
+    """Per-sequence handle: the KV caches live in the shards under ``seq_id``.
+
+    Attributes mirror :class:`~speculation.target.TargetState` (``length``, ``tokens``), so code
+    that reads them works on either backend.
+    """
+
+    seq_id: str
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+class RayTargetBackend:
+    """A target cut into pipeline shards (Ray actor handles), behind the TargetBackend protocol.
+
+    Args:
+        shards: actor handles of :class:`~workers.shard.TargetShard`, in pipeline order.
+        info: the target's facts (from the last shard).
+        aux_layers: HF hidden-state indices of the drafters' features (default ``[2, L/2, L-3]``).
+        eos_token_ids: overrides the model's generation-config EOS ids (e.g. add the tokenizer's).
+    """
+
+    def __init__(
+        self,
+        shards: Sequence,
+        info: TargetInfo,
+        aux_layers: tuple[int, int, int] | None = None,
+        eos_token_ids: frozenset[int] | None = None,
+    ) -> None:
+        from speculation.target import default_aux_layers
+
+        if not shards:
+            raise ValueError("RayTargetBackend needs at least one shard")
+        self.shards = list(shards)
+        self.info = info
+        self.num_layers = info.num_layers
+        self.hidden_size = info.hidden_size
+        self.vocab_size: int = info.vocab_size
+        self.max_context = info.max_context
+        self.sliding_window = info.sliding_window
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids if eos_token_ids is not None else info.eos_token_ids)
+        self.aux_layers = tuple(aux_layers or default_aux_layers(self.num_layers))
+        if not all(0 <= i <= self.num_layers for i in self.aux_layers):
+            raise ValueError(f"aux_layers {self.aux_layers} out of range [0, {self.num_layers}]")
+        self._pending: list = []  # refs of commit/truncate calls not yet checked
+        self._ids = itertools.count()
+        self._tag = uuid.uuid4().hex[:8]
+
+    # The same rule as the in-process target (context window, sliding window).
+    check_fits = TargetModel.check_fits
+
+    # ------------------------------------------------------------------ pipeline
+    def _run(self, seq_id: str, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        import ray
+
+        hidden = None
+        aux_refs = []
+        for shard in self.shards:
+            hidden, aux = shard.forward.options(num_returns=2).remote(seq_id, step, hidden)
+            aux_refs.append(aux)
+        wait = [hidden, *aux_refs] if step.aux_layers else [hidden]
+        got = ray.get(self._pending + wait)
+        self._pending.clear()
+        got = got[len(got) - len(wait):]
+        logits: WireTensor = got[0]
+        aux_parts: dict[int, WireTensor] = {}
+        for part in got[1:]:
+            aux_parts.update(part)
+        aux = None
+        if step.aux_layers:
+            aux = torch.cat([aux_parts[i].to_torch() for i in self.aux_layers], dim=-1)  # [T, 3H]
+        return logits.to_torch(), aux
+
+    def _new_seq(self) -> str:
+        return f"{self._tag}-{next(self._ids)}"
+
+    # ------------------------------------------------------------------ TargetBackend
+    def prefill(self, ids: list[int], need_aux: bool = False) -> tuple[RayTargetState, torch.Tensor, torch.Tensor | None]:
+        """Run the prompt on a new sequence. Returns (state, logits ``[V]``, aux ``[n, 3H]`` or None)."""
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        state = RayTargetState(seq_id=self._new_seq())
+        step = StepInput(
+            kind=StepKind.PREFILL, tokens=np.asarray(ids, dtype=np.int64),
+            aux_layers=self.aux_layers if need_aux else (),
+        )
+        logits, aux = self._run(state.seq_id, step)
+        state.length = len(ids)
+        state.tokens = list(ids)
+        return state, logits, aux
+
+    def decode(self, state: RayTargetState, token: int) -> torch.Tensor:
+        """Vanilla step: append ``token`` and return the next-token logits ``[V]``."""
+        step = StepInput(kind=StepKind.DECODE, tokens=np.asarray([token], dtype=np.int64))
+        logits, _ = self._run(state.seq_id, step)
+        state.length += 1
+        state.tokens.append(int(token))
+        return logits
+
+    def verify(self, state: RayTargetState, tree: DraftTree, need_aux: bool = False) -> TreeForward:
+        """One pipeline pass over every node of ``tree`` (ancestor-or-self attention)."""
+        tt = tree.to_tensors()
+        step = StepInput(
+            kind=StepKind.TREE,
+            tokens=tt.tokens.numpy(),
+            depths=tt.depths.numpy(),
+            ancestor_mask=tt.ancestor_mask.numpy(),
+            aux_layers=self.aux_layers if need_aux else (),
+        )
+        logits, aux = self._run(state.seq_id, step)
+        state.length += len(tree)
+        return TreeForward(logits=logits, aux_hidden=aux)
+
+    def commit(self, state: RayTargetState, tree: DraftTree, accepted: list[int]) -> None:
+        """Keep only the accepted path's KV rows on every shard (not waited for; see module doc)."""
+        if not accepted or accepted[0] != 0:
+            raise ValueError("accepted path must start at the root (node 0)")
+        acc = [int(a) for a in accepted]
+        self._pending += [s.commit.remote(state.seq_id, len(tree), acc) for s in self.shards]
+        state.length = state.length - len(tree) + len(acc)
+        state.tokens.extend(tree.tokens[a] for a in acc)
+
+    def truncate(self, state: RayTargetState, length: int) -> None:
+        """Forget everything after the first ``length`` cached tokens."""
+        if not 0 <= length <= state.length:
+            raise ValueError(f"length must be in [0, {state.length}], got {length}")
+        self._pending += [s.truncate.remote(state.seq_id, length) for s in self.shards]
+        del state.tokens[length:]
+        state.length = length
+
+    def release(self, state: RayTargetState) -> None:
+        """Free the sequence's KV caches on every shard."""
+        self._pending += [s.release.remote(state.seq_id) for s in self.shards]
+
+    def sync(self) -> None:
+        """Wait for (and check) every call submitted without waiting."""
+        import ray
+
+        if self._pending:
+            ray.get(self._pending)
+            self._pending.clear()

@@ -1,0 +1,71 @@
+"""``RayDrafterProxy``: the :class:`~speculation.drafters.base.Drafter` protocol over a DrafterWorker.
+
+The decode loop calls it like any local drafter. ``propose`` waits for the tree; ``begin`` and
+``observe`` are submitted without waiting (one caller, one actor: calls run in order), and their
+results are checked together with the next ``propose``, so errors still surface at once.
+Only the tokens appended to the context since the previous call travel (the context is
+append-only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculation.drafters.base import DraftContext, Proposal, StepOutcome
+from workers.drafter_worker import DrafterTraits
+
+
+class RayDrafterProxy:
+    """A drafter whose work runs in a :class:`~workers.drafter_worker.DrafterWorker` actor.
+
+    Args:
+        worker: the actor handle.
+        slot: the worker slot holding this proxy's drafter.
+        traits: the hosted drafter's protocol attributes (``worker.traits(slot)``; fetched if None).
+    """
+
+    def __init__(self, worker, slot: str, traits: DrafterTraits | None = None) -> None:
+        import ray
+
+        self.worker = worker
+        self.slot = slot
+        self.traits = traits if traits is not None else ray.get(worker.traits.remote(slot))
+        self.name: str = self.traits.name
+        self.needs_aux: bool = self.traits.needs_aux
+        self.target_topk: int = self.traits.target_topk
+        self._sent = 0
+        self._pending: list = []
+
+    def _delta(self, ctx: DraftContext) -> list[int]:
+        new = ctx.tokens[self._sent :]
+        self._sent = len(ctx.tokens)
+        return list(new)
+
+    def begin(self, ctx: DraftContext, prompt_aux: torch.Tensor | None) -> None:
+        self._sent = len(ctx.tokens)
+        self._pending.append(self.worker.begin.remote(self.slot, list(ctx.tokens), ctx.prompt_len, prompt_aux))
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        import ray
+
+        ref = self.worker.propose.remote(self.slot, self._delta(ctx))
+        got = ray.get([*self._pending, ref])
+        self._pending.clear()
+        return got[-1]
+
+    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        self._pending.append(self.worker.observe.remote(self.slot, self._delta(ctx), outcome))
+
+    def swap_weights(self, state_ref) -> int:
+        """Swap the hosted drafter's weights (an object ref to a state dict) before the next step."""
+        import ray
+
+        return ray.get(self.worker.swap_weights.remote(self.slot, state_ref))
+
+    def sync(self) -> None:
+        """Wait for (and check) every call submitted without waiting."""
+        import ray
+
+        if self._pending:
+            ray.get(self._pending)
+            self._pending.clear()

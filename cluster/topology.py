@@ -1,0 +1,166 @@
+"""Where the distributed target and drafter run: the validated topology config.
+
+A topology says how many pipeline shards the target is cut into, what each shard and the drafter
+worker ask Ray for (one GPU per shard on a GPU cluster; a fraction of a CPU here), and how the
+bundles are placed. ``ray_configs/local.yaml`` mirrors :class:`Topology`'s defaults (the embedded
+default); ``ray_configs/topology_gpu.yaml`` is the GPU-cluster variant.
+
+Layer split: shard k of S over L layers holds layers ``[k*L//S, (k+1)*L//S)`` (contiguous,
+sizes differ by at most one). Shard 0 also holds the embeddings; the last shard also holds the
+final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from speculation.config import ConfigError
+
+#: The file that mirrors the embedded default topology.
+LOCAL_TOPOLOGY = Path(__file__).resolve().parent.parent / "ray_configs" / "local.yaml"
+
+
+class PlacementStrategy(str, enum.Enum):
+    """Ray placement-group strategies (see ``ray.util.placement_group``)."""
+
+    PACK = "PACK"
+    SPREAD = "SPREAD"
+    STRICT_PACK = "STRICT_PACK"
+    STRICT_SPREAD = "STRICT_SPREAD"
+
+
+def _check_resources(owner: str, res: Mapping[str, Any]) -> dict[str, float]:
+    if not isinstance(res, Mapping) or not res:
+        raise ConfigError(f"{owner} must be a non-empty mapping of Ray resource name -> amount, got {res!r}")
+    out: dict[str, float] = {}
+    for name, amount in res.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{owner}: resource names must be strings, got {name!r}")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or math.isnan(float(amount)):
+            raise ConfigError(f"{owner}.{name} must be a number, got {amount!r}")
+        if amount < 0:
+            raise ConfigError(f"{owner}.{name} must be >= 0, got {amount}")
+        if name in ("CPU", "GPU") and amount > 1 and amount != int(amount):
+            raise ConfigError(f"{owner}.{name}: amounts above 1 must be whole numbers (Ray's rule), got {amount}")
+        out[name] = float(amount)
+    if sum(out.values()) == 0:
+        raise ConfigError(f"{owner}: a bundle must ask for some resource (all amounts are 0)")
+    return out
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How the target and the drafter are placed on a Ray cluster."""
+
+    shards: int = 2
+    """Pipeline shards of the target (contiguous layer ranges). Range [1, number of layers]."""
+    shard_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.25})
+    """Ray resources per shard bundle, e.g. ``{CPU: 0.25}`` here or ``{GPU: 1, CPU: 2}`` on GPUs."""
+    drafter_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.25})
+    """Ray resources of the drafter worker's bundle."""
+    placement_strategy: PlacementStrategy = PlacementStrategy.PACK
+    """How the bundles are placed across nodes."""
+    torch_threads: int | None = 1
+    """torch intra-op threads inside each actor (None = torch's default). Range [1, 256]."""
+    ready_timeout_s: float = 60.0
+    """Seconds to wait for the placement group before failing. Range (0, 3600]."""
+    require_resources_now: bool = True
+    """Fail fast when the cluster does not have the resources now (turn off under an autoscaler)."""
+    max_sequences: int = 4
+    """Live sequences (KV caches) kept per shard; the least recently used one is dropped. Range [1, 1024]."""
+
+    def __post_init__(self) -> None:
+        o = "topology"
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise ConfigError(f"{o}.shards must be an integer >= 1, got {self.shards!r}")
+        object.__setattr__(self, "shard_resources", _check_resources(f"{o}.shard_resources", self.shard_resources))
+        object.__setattr__(
+            self, "drafter_resources", _check_resources(f"{o}.drafter_resources", self.drafter_resources)
+        )
+        try:
+            object.__setattr__(self, "placement_strategy", PlacementStrategy(self.placement_strategy))
+        except ValueError:
+            allowed = ", ".join(s.value for s in PlacementStrategy)
+            raise ConfigError(f"{o}.placement_strategy must be one of {allowed}, got {self.placement_strategy!r}") from None
+        if self.torch_threads is not None and (
+            isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int)
+            or not 1 <= self.torch_threads <= 256
+        ):
+            raise ConfigError(f"{o}.torch_threads must be an integer in [1, 256] or null, got {self.torch_threads!r}")
+        if isinstance(self.ready_timeout_s, bool) or not isinstance(self.ready_timeout_s, (int, float)) or not (
+            0 < self.ready_timeout_s <= 3600
+        ):
+            raise ConfigError(f"{o}.ready_timeout_s must be in (0, 3600], got {self.ready_timeout_s!r}")
+        if isinstance(self.max_sequences, bool) or not isinstance(self.max_sequences, int) or not (
+            1 <= self.max_sequences <= 1024
+        ):
+            raise ConfigError(f"{o}.max_sequences must be an integer in [1, 1024], got {self.max_sequences!r}")
+
+    # ------------------------------------------------------------------ derived
+    def check_layers(self, num_layers: int) -> None:
+        """Raise :class:`ConfigError` if the target cannot be cut into ``shards`` pieces."""
+        if self.shards > num_layers:
+            raise ConfigError(
+                f"topology.shards = {self.shards} exceeds the target's {num_layers} layers; "
+                f"allowed: [1, {num_layers}] (each shard needs at least one layer)"
+            )
+
+    def layer_ranges(self, num_layers: int) -> list[range]:
+        """Contiguous layer range of every shard (validated against ``num_layers``)."""
+        self.check_layers(num_layers)
+        s = self.shards
+        return [range(k * num_layers // s, (k + 1) * num_layers // s) for k in range(s)]
+
+    def bundles(self) -> list[dict[str, float]]:
+        """Placement-group bundles: one per shard, then the drafter worker's."""
+        return [dict(self.shard_resources) for _ in range(self.shards)] + [dict(self.drafter_resources)]
+
+    def total_resources(self) -> dict[str, float]:
+        """Sum of every bundle's resources."""
+        total: dict[str, float] = {}
+        for b in self.bundles():
+            for k, v in b.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def with_shards(self, shards: int | None) -> "Topology":
+        """A copy with ``shards`` replaced (None keeps this one's)."""
+        if shards is None:
+            return self
+        from dataclasses import replace
+
+        return replace(self, shards=shards)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shards": self.shards,
+            "shard_resources": dict(self.shard_resources),
+            "drafter_resources": dict(self.drafter_resources),
+            "placement_strategy": self.placement_strategy.value,
+            "torch_threads": self.torch_threads,
+            "ready_timeout_s": self.ready_timeout_s,
+            "require_resources_now": self.require_resources_now,
+            "max_sequences": self.max_sequences,
+        }
+
+
+def load_topology(path: str | Path | None = None) -> Topology:
+    """The topology in ``path`` (YAML), or the embedded default when None."""
+    from speculation.config import from_dict
+
+    if path is None:
+        return Topology()
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"topology: no such file {str(path)!r}")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"topology {path}: expected a mapping of field -> value")
+    return from_dict(Topology, data, where=f"topology ({p.name})")

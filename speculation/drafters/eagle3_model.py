@@ -1,0 +1,207 @@
+"""The EAGLE-3 draft network (ALGORITHMS.md section 3): fusion, one decoder layer, draft LM head.
+
+Shapes (H = the target's hidden size, N_d = draft vocabulary, V = target vocabulary):
+
+* fusion        ``g = W_fc f``,   f = [h_low; h_mid; h_high] in R^{3H}, g in R^H (no bias);
+* token input   ``e = Emb(x)``   with the target's frozen embedding (not stored here);
+* decoder layer ``u = [RMSNorm_e(e); RMSNorm_g(g)]`` in R^{2H},
+                ``y = g + W_o Attn(W_q u, W_k u, W_v u)``,
+                ``y = y + W_down(silu(W_gate n) * W_up n)``, ``n = RMSNorm_post(y)``;
+* head          ``logits = W_lm RMSNorm_final(y)`` over the draft vocabulary; ``y`` is also the
+                hidden input of the next draft depth (it replaces g).
+
+The draft vocabulary maps to target ids with ``target_id = i + d2t[i]``; ``t2d[v]`` marks the
+target ids that are in it. Attention itself lives with its callers (the inference KV cache in
+:mod:`speculation.drafters.eagle3`, the training-time-test pattern in ``adaptation``); this
+module provides the projections before and the residual blocks after it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Eagle3Arch:
+    """Shape of an EAGLE-3 head; derived from the target's config plus the draft vocabulary size."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_vocab_size: int
+    draft_vocab_size: int
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 1 <= self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [1, target_vocab_size={self.target_vocab_size}], got {self.draft_vocab_size}"
+            )
+
+    @classmethod
+    def from_target_config(cls, config, target_vocab_size: int, draft_vocab_size: int) -> "Eagle3Arch":
+        """Width, heads and FFN size of the target (a Llama-style HF config)."""
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        return cls(
+            hidden_size=int(cfg.hidden_size),
+            num_heads=heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=head_dim,
+            intermediate_size=int(cfg.intermediate_size),
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            target_vocab_size=int(target_vocab_size),
+            draft_vocab_size=int(min(draft_vocab_size, target_vocab_size)),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * w``, computed in fp32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x2, x1]`` for ``x = [x1, x2]`` split on the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Eagle3Model(nn.Module):
+    """Fusion + one decoder layer with a 2H attention input + draft LM head (see module docstring)."""
+
+    def __init__(self, arch: Eagle3Arch) -> None:
+        super().__init__()
+        self.arch = arch
+        H, nh, nkv, hd = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.embed_norm = RMSNorm(H, arch.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
+        self.q_proj = nn.Linear(2 * H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.post_norm = RMSNorm(H, arch.rms_norm_eps)
+        self.gate_proj = nn.Linear(H, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, H, bias=False)
+        self.final_norm = RMSNorm(H, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(H, arch.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.long))  # [N_d] offsets
+        self.register_buffer("t2d", torch.zeros(arch.target_vocab_size, dtype=torch.bool))  # [V]
+        self.t2d[: arch.draft_vocab_size] = True
+        inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2]
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=std)
+            elif isinstance(mod, RMSNorm):
+                nn.init.ones_(mod.weight)
+
+    @torch.no_grad()
+    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """Set d2t/t2d from the sorted target ids of the draft vocabulary (``[N_d]`` int64)."""
+        ids = draft_to_target.to(torch.long).flatten()
+        if ids.numel() != self.arch.draft_vocab_size:
+            raise ValueError(f"need {self.arch.draft_vocab_size} draft ids, got {ids.numel()}")
+        if not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0 or int(ids[-1]) >= self.arch.target_vocab_size:
+            raise ValueError("draft ids must be strictly increasing target ids in [0, V)")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @torch.no_grad()
+    def init_head_from_target(self, target_head_weight: torch.Tensor) -> None:
+        """``W_lm[i] = W_target[draft_ids[i]]`` (the target's output rows of the kept tokens)."""
+        self.lm_head.weight.copy_(target_head_weight[self.draft_ids()].to(self.lm_head.weight.dtype))
+
+    # ------------------------------------------------------------------ vocab maps
+    def draft_ids(self) -> torch.Tensor:
+        """``[N_d]`` target id of every draft token: ``i + d2t[i]``."""
+        return torch.arange(self.arch.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def target_to_draft(self) -> torch.Tensor:
+        """``[V]`` draft id of every target id, -1 where the token is not in the draft vocabulary."""
+        out = torch.full((self.arch.target_vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+        out[self.draft_ids()] = torch.arange(self.arch.draft_vocab_size, device=self.d2t.device)
+        return out
+
+    # ------------------------------------------------------------------ pieces of the forward
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """``[..., 3H] -> [..., H]``: g = W_fc f."""
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[S, hd]`` for integer ``positions`` ``[S]`` (Llama's rotate-half convention)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [S, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def qkv(
+        self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries and rotated keys/values of the 2H attention input.
+
+        Args:
+            emb: ``[B, S, H]`` token embeddings e; hidden: ``[B, S, H]`` hidden input g (or y).
+            positions: ``[S]`` RoPE positions.
+        Returns:
+            q ``[B, nh, S, hd]``, k ``[B, nkv, S, hd]``, v ``[B, nkv, S, hd]``.
+        """
+        a = self.arch
+        B, S, _ = hidden.shape
+        u = torch.cat((self.embed_norm(emb.to(hidden.dtype)), self.hidden_norm(hidden)), dim=-1)  # [B, S, 2H]
+        q = self.q_proj(u).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)
+        k = self.k_proj(u).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = self.v_proj(u).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions, q.dtype)  # [S, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual blocks after attention: ``[B, S, H], [B, S, nh*hd] -> y [B, S, H]``."""
+        y = hidden + self.o_proj(attn.to(hidden.dtype))
+        n = self.post_norm(y)
+        return y + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """``[..., H] -> [..., N_d]`` draft logits."""
+        return self.lm_head(self.final_norm(y))
+
+    @property
+    def attn_scale(self) -> float:
+        return 1.0 / math.sqrt(self.arch.head_dim)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

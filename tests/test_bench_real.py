@@ -1,0 +1,93 @@
+"""The bench harness on real SmolLM2 weights: fp32 greedy exactness and the JSON contract.
+
+Runs the retrieval drafter against vanilla on one Spec-Bench question per category (13 prompts,
+first turn, 64 new tokens, fp32): every prompt must be token-identical to vanilla greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from cluster.cli import main as cli_main
+from speculation import assets
+from speculation.bench.runner import run_bench
+from speculation.config import BenchConfig
+from speculation.target import TargetModel
+
+pytestmark = pytest.mark.slow
+
+REQUIRED_METHOD_KEYS = {
+    "speedup", "tau", "tokens_per_s", "drafting_share", "mean_tree_size", "drafter_forwards_per_step",
+    "drafting_s_per_step", "verify_s_per_step", "lossless", "per_category", "config",
+}
+
+
+@pytest.fixture(scope="module")
+def smol_fp32() -> TargetModel:
+    model, tok = assets.load_model_and_tokenizer("smollm2-135m", torch.float32)
+    return TargetModel(model, tok)
+
+
+def test_retrieval_is_lossless_on_spec_bench_fp32(smol_fp32):
+    try:
+        questions = assets.load_questions("spec_bench", limit_per_category=1)
+    except assets.AssetError:
+        pytest.skip("Spec-Bench question file not available beside the checkout")
+    assert len(questions) >= 8
+    cfg = BenchConfig(methods=("vanilla", "retrieval"), dtype="float32", dataset="spec_bench",
+                      limit_per_category=1, max_new_tokens=64, max_turns=1, warmup=0)
+    result = run_bench(cfg, smol_fp32, questions, {"retrieval": {"budget": 16}})
+    m = result["methods"]["retrieval"]
+    assert m["lossless"] is True, f"match rate {m['match_rate']}"
+    assert REQUIRED_METHOD_KEYS <= set(m)
+    assert result["n_prompts"] == len(questions)
+    assert set(m["per_category"]) == set(result["categories"])
+    assert m["tau"] >= 1.0
+    # tokens gained over all steps = all generated tokens minus one prefill token per turn
+    assert result["methods"]["vanilla"]["speedup"] == pytest.approx(1.0)
+
+
+def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "b.json"
+    rc = cli_main(["bench", "--methods", "retrieval", "--dataset", "mixed", "--limit-per-category", "1",
+                   "--max-new-tokens", "8", "--dtype", "float32", "--peers", "hf_generate",
+                   "--warmup", "0", "--json", str(out), "--experiment", "test-bench"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    for key in ("model", "dtype", "dataset", "n_prompts", "max_new_tokens", "temperature", "env",
+                "baseline_tokens_per_s", "methods", "peers", "command"):
+        assert key in res
+    assert set(res["methods"]) == {"vanilla", "retrieval"}
+    assert "hf_generate" in res["peers"]
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("test-bench")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    assert "retrieval.speedup" in runs[0].data.metrics
+    assert [a.path for a in client.list_artifacts(runs[0].info.run_id)] == ["b.json"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--dataset", "/nonexistent/questions.jsonl"], "questions.jsonl"),
+        (["--methods", "vanilla,bogus"], "bogus"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--peers", "vllm"], "vllm"),
+    ],
+)
+def test_cli_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):
+    rc = cli_main(["bench", "--no-mlflow", "--json", str(tmp_path / "x.json"), "--dataset", "mixed", *argv])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "error" in err and message in err
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,141 @@
+"""Retrieval drafter pieces: suffix index, datastore, transition table, tree building, sizing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from speculation.config import ConfigError, RetrievalConfig
+from speculation.cost import VerifyCostModel
+from speculation.drafters.base import DraftContext, StepOutcome
+from speculation.drafters.retrieval import RetrievalDrafter, SuffixArrayDatastore, SuffixIndex, TransitionTable
+from speculation.tree import NodeSource
+
+
+def test_suffix_index_counts_and_matches():
+    idx = SuffixIndex(depth=4)
+    idx.extend([1, 2, 3, 1, 2])
+    # Suffix "1 2" occurred twice; once followed by 3.
+    matches = idx.matches(1, 4)
+    lengths = [m for m, _ in matches]
+    assert lengths == sorted(lengths, reverse=True)
+    two = dict(matches)[2]
+    assert two.count == 2 and set(two.children) == {3}
+    assert two.children[3].count == 1
+
+
+def test_suffix_index_append_touches_at_most_depth_nodes():
+    """The per-token cost is bounded by the depth, not by the context length."""
+    idx = SuffixIndex(depth=6)
+    rng = np.random.default_rng(0)
+    idx.extend(rng.integers(0, 5, size=5000).tolist())
+    assert len(idx.active) <= 6
+    before = len(idx.active)
+    idx.append(1)
+    assert len(idx.active) <= before + 1 <= 7
+
+
+def test_retrieval_proposes_the_repeated_continuation():
+    cfg = RetrievalConfig(budget=8, transition_topk=0, cost_aware=False)
+    d = RetrievalDrafter(cfg, vocab_size=100)
+    text = [10, 11, 12, 13, 14, 15, 16, 50, 51, 10, 11, 12]
+    ctx = DraftContext(tokens=list(text), prompt_len=len(text))
+    d.begin(ctx, None)
+    tree = d.propose(ctx).tree
+    assert tree.root_token == 12
+    # The best path continues the earlier occurrence: 13 14 15 ...
+    first = tree.children(0)
+    assert tree.tokens[first[0]] == 13
+    assert tree.path_tokens(tree.child(tree.child(first[0], 14), 15))[-3:] == [13, 14, 15]
+    assert len(tree) - 1 <= cfg.budget
+    assert all(s == NodeSource.RETRIEVAL for s in tree.sources[1:])
+
+
+def test_budget_and_depth_are_respected():
+    cfg = RetrievalConfig(budget=5, max_depth=3, transition_topk=0, cost_aware=False)
+    d = RetrievalDrafter(cfg, vocab_size=100)
+    text = list(range(20)) * 3
+    ctx = DraftContext(tokens=text[:-10], prompt_len=len(text) - 10)
+    d.begin(ctx, None)
+    tree = d.propose(ctx).tree
+    assert len(tree) - 1 <= 5
+    assert tree.max_depth() <= 3
+
+
+def test_transition_table_recycles_target_topk_and_pairs():
+    table = TransitionTable(vocab_size=10, topk=3)
+    topk = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    table.recycle([7, 8], [None, 7], topk)
+    assert table.successors(None, 7, 3) == ([1, 2, 3], False)
+    assert table.successors(7, 8, 2) == ([4, 5], True)  # second-order row preferred
+    assert table.successors(9, 8, 2) == ([4, 5], False)  # unknown pair -> first-order row
+
+
+def test_adjacency_table_updates_from_verification():
+    cfg = RetrievalConfig(budget=4, transition_topk=2, cost_aware=False)
+    d = RetrievalDrafter(cfg, vocab_size=20)
+    ctx = DraftContext(tokens=[1, 2, 3], prompt_len=3)
+    d.begin(ctx, None)
+    prop = d.propose(ctx)
+    tree = prop.tree
+    topk = torch.stack([torch.tensor([9, 8]) for _ in range(len(tree))])
+    ctx.tokens.extend([5])
+    d.observe(ctx, StepOutcome(tree=tree, accepted=[0], accepted_tokens=[3], bonus_token=5, target_topk=topk))
+    assert d.table.successors(None, 3, 2)[0] == [9, 8]
+    assert d.table.successors(2, 3, 2) == ([9, 8], True)
+
+
+def test_datastore_lookup_returns_corpus_continuation(tmp_path):
+    corpus = np.array([5, 6, 7, 8, 9, 1, 5, 6, 7, 8, 2, 3], dtype=np.int32)
+    ds = SuffixArrayDatastore(corpus, match_len=4)
+    k, trie = ds.lookup([0, 5, 6, 7], min_len=1, max_depth=3)
+    assert k == 3
+    assert set(trie.children) == {8}
+    path = tmp_path / "ds.npy"
+    np.save(path, corpus)
+    d = RetrievalDrafter(RetrievalConfig(datastore=str(path), transition_topk=0, cost_aware=False), vocab_size=20)
+    ctx = DraftContext(tokens=[1, 5, 6, 7], prompt_len=4)
+    d.begin(ctx, None)
+    tree = d.propose(ctx).tree
+    assert tree.child(0, 8) is not None
+
+
+def test_retrieval_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="budget"):
+        RetrievalConfig(budget=0)
+    with pytest.raises(ConfigError, match="min_match_len"):
+        RetrievalConfig(max_match_len=4, min_match_len=5)
+    with pytest.raises(ConfigError, match="datastore"):
+        RetrievalConfig(datastore=str(tmp_path / "missing.npy"))
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    m = VerifyCostModel.from_curve({1: 0.05, 2: 0.06, 8: 0.12})
+    assert m.cost(1) == pytest.approx(0.05)
+    assert m.cost(5) == pytest.approx(0.09)
+    assert m.cost(14) == pytest.approx(0.18)  # last slope 0.01/token
+
+
+def test_cost_model_best_prefix_follows_the_marginal_rule():
+    flat = VerifyCostModel.from_curve({1: 0.1, 64: 0.1})
+    assert flat.best_prefix([0.5, 0.1, 0.01]) == 3  # free verification: take everything
+    steep = VerifyCostModel.from_curve({1: 0.05, 2: 0.1, 64: 0.2})
+    assert steep.best_prefix([0.3, 0.2]) == 0  # 1.5 tokens for 2x the cost: don't speculate
+    assert steep.best_prefix([0.9, 0.8, 0.7]) == 3
+
+
+def test_cost_model_rejects_bad_curves():
+    with pytest.raises(ValueError, match="increasing"):
+        VerifyCostModel((2, 1), (0.1, 0.2))
+    with pytest.raises(ValueError, match="positive"):
+        VerifyCostModel((1, 2), (0.1, 0.0))
+
+
+def test_cost_aware_drafter_cuts_low_value_nodes():
+    cfg = RetrievalConfig(budget=16, transition_topk=2, cost_aware=True)
+    d = RetrievalDrafter(cfg, vocab_size=50)
+    d.cost_model = VerifyCostModel.from_curve({1: 0.05, 2: 0.5})  # any speculation is ruinous
+    ctx = DraftContext(tokens=[1, 2, 3, 1, 2], prompt_len=5)
+    d.begin(ctx, None)
+    assert len(d.propose(ctx).tree) == 1
