@@ -123,13 +123,13 @@ def run_bench(
     results = {r.name: MethodRuns(r.name) for r in runners}
 
     if cfg.warmup and questions:
+        # Full-length warm-up on the first question: the first generations at new shapes pay
+        # one-off kernel selection costs (oneDNN/AMX), which would otherwise land on whichever
+        # method happens to run first.
         warm_ids = assets.encode_turn(tok, [], questions[0].turns[0])
-        warm_engine = EngineConfig(max_new_tokens=min(16, cfg.max_new_tokens), sampling=cfg.sampling)
         for r in runners:
-            saved, r.engine = r.engine, warm_engine
             for _ in range(cfg.warmup):
                 r.generate(warm_ids)
-            r.engine = saved
         # Drafters start measured runs from a fresh state: warm-up must not leak retrieval data.
         for r in runners:
             if r.spec is not None:
