@@ -60,6 +60,8 @@ class DType(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: "str | DType") -> "DType":
+        if isinstance(value, DType):
+            return value
         aliases = {"fp32": "float32", "bf16": "bfloat16"}
         try:
             return cls(aliases.get(str(value), str(value)))

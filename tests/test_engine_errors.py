@@ -204,3 +204,13 @@ def test_bad_input_loses_nothing():
     with pytest.raises(RuntimeError):
         generate_speculative(target, flaky, PROMPT, greedy())
     assert generate_speculative(target, flaky, PROMPT, greedy()).tokens == ref_greedy
+
+
+def test_dtype_parse_accepts_members_aliases_and_rejects_others():
+    from speculation.config import BenchConfig, DType
+
+    assert DType.parse(DType.BFLOAT16) is DType.BFLOAT16
+    assert DType.parse("fp32") is DType.FLOAT32
+    assert BenchConfig().dtype is DType.BFLOAT16
+    with pytest.raises(ConfigError, match="dtype"):
+        DType.parse("float16")
