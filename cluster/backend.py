@@ -65,7 +65,9 @@ class RayTargetBackend:
         self.vocab_size: int = info.vocab_size
         self.max_context = info.max_context
         self.sliding_window = info.sliding_window
-        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids if eos_token_ids is not None else info.eos_token_ids)
+        self.eos_token_ids: frozenset[int] = frozenset(
+            eos_token_ids if eos_token_ids is not None else info.eos_token_ids
+        )
         self.aux_layers = tuple(aux_layers or default_aux_layers(self.num_layers))
         if not all(0 <= i <= self.num_layers for i in self.aux_layers):
             raise ValueError(f"aux_layers {self.aux_layers} out of range [0, {self.num_layers}]")
@@ -88,7 +90,7 @@ class RayTargetBackend:
         wait = [hidden, *aux_refs] if step.aux_layers else [hidden]
         got = ray.get(self._pending + wait)
         self._pending.clear()
-        got = got[len(got) - len(wait):]
+        got = got[len(got) - len(wait) :]
         logits: WireTensor = got[0]
         aux_parts: dict[int, WireTensor] = {}
         for part in got[1:]:
@@ -102,13 +104,16 @@ class RayTargetBackend:
         return f"{self._tag}-{next(self._ids)}"
 
     # ------------------------------------------------------------------ TargetBackend
-    def prefill(self, ids: list[int], need_aux: bool = False) -> tuple[RayTargetState, torch.Tensor, torch.Tensor | None]:
+    def prefill(
+        self, ids: list[int], need_aux: bool = False
+    ) -> tuple[RayTargetState, torch.Tensor, torch.Tensor | None]:
         """Run the prompt on a new sequence. Returns (state, logits ``[V]``, aux ``[n, 3H]`` or None)."""
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
         state = RayTargetState(seq_id=self._new_seq())
         step = StepInput(
-            kind=StepKind.PREFILL, tokens=np.asarray(ids, dtype=np.int64),
+            kind=StepKind.PREFILL,
+            tokens=np.asarray(ids, dtype=np.int64),
             aux_layers=self.aux_layers if need_aux else (),
         )
         logits, aux = self._run(state.seq_id, step)

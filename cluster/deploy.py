@@ -27,8 +27,11 @@ from speculation.drafters import DrafterType, MethodSpec
 from workers.shard import ShardSpec, TargetInfo
 
 
-class ClusterResourceError(RuntimeError):
-    """The cluster cannot host the topology (missing resources, or placement timed out)."""
+class ClusterResourceError(ValueError):
+    """The cluster cannot host the topology (missing resources, or placement timed out).
+
+    A ``ValueError``: the request is invalid for this cluster, and the CLI reports it as such.
+    """
 
 
 _EPS = 1e-9
@@ -54,7 +57,9 @@ def model_num_layers(model: str) -> int:
     from speculation import assets
 
     path = Path(model).expanduser()
-    source = str(assets.resolve_model_dir(model)) if (model in assets.MODEL_ALIASES or path.is_dir()) else model
+    source = (
+        str(assets.resolve_model_dir(model)) if (model in assets.MODEL_ALIASES or path.is_dir()) else model
+    )
     cfg = AutoConfig.from_pretrained(source)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return int(cfg.num_hidden_layers)
@@ -88,7 +93,9 @@ def check_cluster_fits(topology: Topology) -> None:
             )
 
 
-def _actor_options(bundle: dict[str, float], pg, index: int) -> dict[str, Any]:
+def _actor_options(
+    bundle: dict[str, float], pg, index: int, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
@@ -103,6 +110,8 @@ def _actor_options(bundle: dict[str, float], pg, index: int) -> dict[str, Any]:
         opts["memory"] = bundle["memory"]
     if custom:
         opts["resources"] = custom
+    if env:
+        opts["runtime_env"] = {"env_vars": dict(env)}
     return opts
 
 
@@ -124,6 +133,9 @@ class RayDeployment:
         dtype: ``float32`` / ``bfloat16``.
         aux_layers: HF hidden-state indices for feature drafters (default ``[2, L/2, L-3]``).
         eos_token_ids: EOS ids to use (e.g. the tokenizer's); default: the model's generation config.
+        local_target: an in-process target of the same model, if the caller has one: drafters are
+            then built against it (feature drafters need its weights) and shipped to the worker.
+            Without it the worker builds drafters that need only the vocabulary size (retrieval).
     """
 
     def __init__(
@@ -133,6 +145,7 @@ class RayDeployment:
         dtype: str | DType,
         aux_layers: tuple[int, int, int] | None = None,
         eos_token_ids: frozenset[int] | None = None,
+        local_target=None,
     ) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -140,6 +153,7 @@ class RayDeployment:
         from workers.shard import make_actor_class
 
         self.topology = topology
+        self.local_target = local_target
         self.model = _model_ref(model)
         self.dtype = DType.parse(dtype)
         num_layers = model_num_layers(self.model)
@@ -153,7 +167,8 @@ class RayDeployment:
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.pg)
             raise ClusterResourceError(
-                f"the placement group for {topology.shards} shard(s) ({_fmt(topology.total_resources())} in total) "
+                f"the placement group for {topology.shards} shard(s) "
+                f"({_fmt(topology.total_resources())} in total) "
                 f"was not ready after {topology.ready_timeout_s:g}s: the cluster is busy or too small"
             ) from None
         self._worker = None
@@ -162,25 +177,34 @@ class RayDeployment:
             bundles = topology.bundles()
             for k, r in enumerate(ranges):
                 spec = ShardSpec(
-                    model=self.model, dtype=self.dtype.value, index=k, num_shards=topology.shards,
-                    start=r.start, end=r.stop, torch_threads=topology.torch_threads,
+                    model=self.model,
+                    dtype=self.dtype.value,
+                    index=k,
+                    num_shards=topology.shards,
+                    start=r.start,
+                    end=r.stop,
+                    torch_threads=topology.torch_threads,
                     max_sequences=topology.max_sequences,
                 )
-                cls = make_actor_class(**_actor_options(bundles[k], self.pg, k))
+                cls = make_actor_class(**_actor_options(bundles[k], self.pg, k, topology.actor_env))
                 self.shards.append(cls.remote(spec))
             infos: list[TargetInfo] = ray.get([s.target_info.remote() for s in self.shards])
         except BaseException:
             self.shutdown()
             raise
         self.info = infos[-1]
-        self.backend = RayTargetBackend(self.shards, self.info, aux_layers=aux_layers, eos_token_ids=eos_token_ids)
+        self.backend = RayTargetBackend(
+            self.shards, self.info, aux_layers=aux_layers, eos_token_ids=eos_token_ids
+        )
 
     # ------------------------------------------------------------------ drafters
     def _drafter_worker(self):
         if self._worker is None:
             from workers.drafter_worker import make_actor_class
 
-            opts = _actor_options(self.topology.drafter_resources, self.pg, self.topology.shards)
+            opts = _actor_options(
+                self.topology.drafter_resources, self.pg, self.topology.shards, self.topology.actor_env
+            )
             self._worker = make_actor_class(**opts).remote(self.info.vocab_size, self.topology.torch_threads)
         return self._worker
 
@@ -201,8 +225,25 @@ class RayDeployment:
             cost_model = measure_cost_model(self.backend, max_size=spec.config.budget + 1)
             self.backend.sync()
         worker = self._drafter_worker()
-        traits = ray.get(worker.load.remote(spec.name, spec, cost_model))
+        if self.local_target is not None:
+            # Built here, where the in-process target is (feature drafters read its embeddings
+            # and config), then shipped to the worker; c(T) still comes from the actors.
+            from workers.drafter_worker import build_without_cost_model, pack_drafter
+
+            drafter = build_without_cost_model(spec, self.local_target, cost_model)
+            traits = ray.get(worker.host.remote(spec.name, pack_drafter(drafter)))
+        else:
+            traits = ray.get(worker.load.remote(spec.name, spec, cost_model))
         return RayDrafterProxy(worker, spec.name, traits)
+
+    def host_drafter(self, slot: str, drafter) -> RayDrafterProxy:
+        """A proxy over ``drafter`` (any protocol object, shipped to the worker) in ``slot``."""
+        import ray
+
+        from workers.drafter_worker import pack_drafter
+
+        worker = self._drafter_worker()
+        return RayDrafterProxy(worker, slot, ray.get(worker.host.remote(slot, pack_drafter(drafter))))
 
     def method_parts(self, spec: MethodSpec) -> tuple[RayTargetBackend, RayDrafterProxy]:
         """(backend, fresh drafter proxy) for ``spec``: the bench's hook for the actor path."""

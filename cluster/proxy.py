@@ -43,7 +43,9 @@ class RayDrafterProxy:
 
     def begin(self, ctx: DraftContext, prompt_aux: torch.Tensor | None) -> None:
         self._sent = len(ctx.tokens)
-        self._pending.append(self.worker.begin.remote(self.slot, list(ctx.tokens), ctx.prompt_len, prompt_aux))
+        self._pending.append(
+            self.worker.begin.remote(self.slot, list(ctx.tokens), ctx.prompt_len, prompt_aux)
+        )
 
     def propose(self, ctx: DraftContext) -> Proposal:
         import ray

@@ -48,7 +48,9 @@ def _check_resources(owner: str, res: Mapping[str, Any]) -> dict[str, float]:
         if amount < 0:
             raise ConfigError(f"{owner}.{name} must be >= 0, got {amount}")
         if name in ("CPU", "GPU") and amount > 1 and amount != int(amount):
-            raise ConfigError(f"{owner}.{name}: amounts above 1 must be whole numbers (Ray's rule), got {amount}")
+            raise ConfigError(
+                f"{owner}.{name}: amounts above 1 must be whole numbers (Ray's rule), got {amount}"
+            )
         out[name] = float(amount)
     if sum(out.values()) == 0:
         raise ConfigError(f"{owner}: a bundle must ask for some resource (all amounts are 0)")
@@ -75,12 +77,18 @@ class Topology:
     """Fail fast when the cluster does not have the resources now (turn off under an autoscaler)."""
     max_sequences: int = 4
     """Live sequences (KV caches) kept per shard; the least recently used one is dropped. Range [1, 1024]."""
+    actor_env: dict[str, str] = field(default_factory=lambda: {"OMP_WAIT_POLICY": "PASSIVE"})
+    """Environment of the shard and drafter actor processes. The default stops idle OpenMP threads
+    from spinning: pipeline shards wait most of the time, and spinning threads of a waiting shard
+    steal the cores the working one needs (measured: see benchmarks/ray_overhead.py)."""
 
     def __post_init__(self) -> None:
         o = "topology"
         if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
             raise ConfigError(f"{o}.shards must be an integer >= 1, got {self.shards!r}")
-        object.__setattr__(self, "shard_resources", _check_resources(f"{o}.shard_resources", self.shard_resources))
+        object.__setattr__(
+            self, "shard_resources", _check_resources(f"{o}.shard_resources", self.shard_resources)
+        )
         object.__setattr__(
             self, "drafter_resources", _check_resources(f"{o}.drafter_resources", self.drafter_resources)
         )
@@ -88,20 +96,35 @@ class Topology:
             object.__setattr__(self, "placement_strategy", PlacementStrategy(self.placement_strategy))
         except ValueError:
             allowed = ", ".join(s.value for s in PlacementStrategy)
-            raise ConfigError(f"{o}.placement_strategy must be one of {allowed}, got {self.placement_strategy!r}") from None
+            raise ConfigError(
+                f"{o}.placement_strategy must be one of {allowed}, got {self.placement_strategy!r}"
+            ) from None
         if self.torch_threads is not None and (
-            isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int)
+            isinstance(self.torch_threads, bool)
+            or not isinstance(self.torch_threads, int)
             or not 1 <= self.torch_threads <= 256
         ):
-            raise ConfigError(f"{o}.torch_threads must be an integer in [1, 256] or null, got {self.torch_threads!r}")
-        if isinstance(self.ready_timeout_s, bool) or not isinstance(self.ready_timeout_s, (int, float)) or not (
-            0 < self.ready_timeout_s <= 3600
+            raise ConfigError(
+                f"{o}.torch_threads must be an integer in [1, 256] or null, got {self.torch_threads!r}"
+            )
+        if (
+            isinstance(self.ready_timeout_s, bool)
+            or not isinstance(self.ready_timeout_s, (int, float))
+            or not (0 < self.ready_timeout_s <= 3600)
         ):
             raise ConfigError(f"{o}.ready_timeout_s must be in (0, 3600], got {self.ready_timeout_s!r}")
-        if isinstance(self.max_sequences, bool) or not isinstance(self.max_sequences, int) or not (
-            1 <= self.max_sequences <= 1024
+        if (
+            isinstance(self.max_sequences, bool)
+            or not isinstance(self.max_sequences, int)
+            or not (1 <= self.max_sequences <= 1024)
         ):
-            raise ConfigError(f"{o}.max_sequences must be an integer in [1, 1024], got {self.max_sequences!r}")
+            raise ConfigError(
+                f"{o}.max_sequences must be an integer in [1, 1024], got {self.max_sequences!r}"
+            )
+        if not isinstance(self.actor_env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.actor_env.items()
+        ):
+            raise ConfigError(f"{o}.actor_env must map variable names to strings, got {self.actor_env!r}")
 
     # ------------------------------------------------------------------ derived
     def check_layers(self, num_layers: int) -> None:
@@ -148,6 +171,7 @@ class Topology:
             "ready_timeout_s": self.ready_timeout_s,
             "require_resources_now": self.require_resources_now,
             "max_sequences": self.max_sequences,
+            "actor_env": dict(self.actor_env),
         }
 
 

@@ -44,8 +44,13 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
                             "or pass --no-mlflow") from exc
 
 
-def experiment_id(name: str, uri: str) -> str:
-    """Id of experiment ``name`` in the store at ``uri``, created if missing."""
+def experiment_id(name: str, uri: str, artifact_location: str | None = None) -> str:
+    """Id of experiment ``name`` in the store at ``uri``, created if missing.
+
+    ``artifact_location`` (absolute) applies only when the experiment is created; without it
+    MLflow's default for a local store is ``./mlruns`` under the *current* directory, which for a
+    Ray job is a temporary copy of the working directory.
+    """
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=uri)
@@ -53,7 +58,7 @@ def experiment_id(name: str, uri: str) -> str:
     if exp is not None:
         return exp.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=artifact_location)
     except Exception:  # created concurrently by another process: read it back
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -132,11 +137,73 @@ def log_bench(
             for name, m in result.get("methods", {}).items():
                 flat.update({f"method.{name}.{k}": str(v)[:500] for k, v in flatten(m.get("config", {})).items()})
         metrics = bench_metrics(result) if result is not None else {}
-        log_batch(client, rid, flat, metrics)
-        for a in artifacts:
-            client.log_artifact(rid, str(a))
-        client.set_terminated(rid, "FINISHED")
     except Exception:
         client.set_terminated(rid, "FAILED")
         raise
+    finish_run(client, rid, flat, metrics, artifacts)
     return rid
+
+
+def finish_run(client, run_id: str, params: Mapping[str, Any], metrics: Mapping[str, float],
+               artifacts: Iterable[Path] = ()) -> None:
+    """Log params, metrics and artifacts (see :func:`log_batch`), then mark the
+    run FINISHED; a logging failure marks it FAILED and re-raises."""
+    try:
+        log_batch(client, run_id, params, metrics)
+        for a in artifacts:
+            client.log_artifact(run_id, str(a))
+        client.set_terminated(run_id, "FINISHED")
+    except Exception:
+        client.set_terminated(run_id, "FAILED")
+        raise
+
+
+# --------------------------------------------------------------------------- sweeps
+#: Tags that tie sweep runs together (MLflow's own nesting tag, plus ours).
+PARENT_TAG = "mlflow.parentRunId"
+KIND_TAG = "graftblock.kind"
+STUDY_TAG = "graftblock.study"
+TRIAL_TAG = "graftblock.trial_number"
+METHOD_TAG = "graftblock.method"
+CONFIG_TAG = "graftblock.method_config"
+
+
+def find_runs(uri: str, exp_id: str, tags: Mapping[str, str], max_results: int = 5000) -> list:
+    """Runs of ``exp_id`` carrying every tag in ``tags`` (any status), newest first."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    flt = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+    return client.search_runs(
+        [exp_id], filter_string=flt, max_results=max_results, order_by=["attributes.start_time DESC"]
+    )
+
+
+def open_sweep_parent(uri: str, exp_id: str, study: str, params: Mapping[str, Any]) -> str:
+    """The sweep's parent run: the existing one for ``study`` (a resumed sweep), else a new one."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    existing = find_runs(uri, exp_id, {KIND_TAG: "sweep", STUDY_TAG: study})
+    if existing:
+        rid = existing[0].info.run_id
+        client.update_run(rid, status="RUNNING")
+        return rid
+    run = client.create_run(exp_id, run_name=f"sweep-{study}", tags={KIND_TAG: "sweep", STUDY_TAG: study})
+    log_batch(client, run.info.run_id, {k: str(v)[:500] for k, v in flatten(params).items()}, {})
+    return run.info.run_id
+
+
+def start_trial_run(uri: str, exp_id: str, parent_id: str, study: str, number: int, method: str,
+                    method_config: Mapping[str, Any]) -> str:
+    """A child run for Optuna trial ``number``, nested under ``parent_id`` (status RUNNING)."""
+    import json
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    tags = {
+        PARENT_TAG: parent_id, KIND_TAG: "sweep_trial", STUDY_TAG: study, TRIAL_TAG: str(number),
+        METHOD_TAG: method, CONFIG_TAG: json.dumps(dict(method_config), sort_keys=True, default=str),
+    }
+    return client.create_run(exp_id, run_name=f"{study}-trial-{number}", tags=tags).info.run_id

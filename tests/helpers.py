@@ -1,6 +1,6 @@
 """Test helpers shared by several test modules (import with ``from tests.helpers import ...``).
 
-* :func:`tiny_llama` / :func:`tiny_target`: a 4-layer random Llama (fp32, sdpa) and its
+* :func:`tiny_llama` (:func:`shared_tiny_llama`: built once and cached) / :func:`tiny_target`: a 4-layer random Llama (fp32, sdpa) and its
   :class:`~speculation.target.TargetModel` with aux layers (1, 2, 3);
 * :func:`full_logits`: plain no-cache forward, the reference for exactness checks;
 * :class:`RandomTreeDrafter`: random multi-branch trees from the drafter's own seeded RNG;
@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import random  # noqa: E402
 
 import torch  # noqa: E402
@@ -32,11 +33,13 @@ def tiny_llama(
     seed: int = 0,
     max_position_embeddings: int = 256,
     lm_head_scale: float = 1.0,
+    tie_word_embeddings: bool = False,
+    eos_token_id: int | None = None,
 ) -> LlamaForCausalLM:
     """A 4-layer randomly initialised Llama (fp32, sdpa, eval mode), deterministic in ``seed``.
 
     ``lm_head_scale`` multiplies the output-embedding weights (sharper, less uniform
-    next-token distributions).
+    next-token distributions). No EOS unless ``eos_token_id`` is given.
     """
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -46,9 +49,9 @@ def tiny_llama(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=None,
-        eos_token_id=None,
+        eos_token_id=eos_token_id,
         pad_token_id=None,
         attn_implementation="sdpa",
     )
@@ -58,9 +61,15 @@ def tiny_llama(
     if lm_head_scale != 1.0:
         with torch.no_grad():
             model.lm_head.weight.mul_(lm_head_scale)
-    # No EOS unless a test sets one (LlamaConfig's default eos id 2 would otherwise apply).
-    model.generation_config.eos_token_id = None
+    # No EOS unless asked for (LlamaConfig's default eos id 2 would otherwise apply).
+    model.generation_config.eos_token_id = eos_token_id
     return model.eval()
+
+
+@functools.lru_cache(maxsize=8)
+def shared_tiny_llama(vocab_size: int = 64, seed: int = 0, lm_head_scale: float = 1.0) -> LlamaForCausalLM:
+    """:func:`tiny_llama`, built once per argument set and shared (callers must not modify it)."""
+    return tiny_llama(vocab_size=vocab_size, seed=seed, lm_head_scale=lm_head_scale)
 
 
 def tiny_target(model: LlamaForCausalLM | None = None, **kwargs) -> TargetModel:

@@ -16,17 +16,13 @@ from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.engine import generate_speculative, generate_vanilla
 from speculation.target import ContextLengthError
 from speculation.tree import DraftTree
-from tests.helpers import RandomTreeDrafter, single_thread, tiny_llama, tiny_target
+from tests.helpers import RandomTreeDrafter, tiny_llama, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 64
 CONTEXT = 64
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with single_thread():
-        yield
 
 
 @functools.lru_cache(maxsize=1)

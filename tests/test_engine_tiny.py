@@ -8,7 +8,6 @@ a step that accepts past EOS or past ``max_new_tokens`` is truncated there.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 
@@ -17,7 +16,9 @@ from speculation.drafters.base import DraftContext, Drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.engine import generate_speculative, generate_vanilla
 from speculation.target import TargetModel
-from tests.helpers import GreedyOracleDrafter, RandomTreeDrafter, single_thread, tiny_llama, tiny_target
+from tests.helpers import GreedyOracleDrafter, RandomTreeDrafter, shared_tiny_llama, tiny_llama, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 64
 NEW = 40
@@ -30,15 +31,8 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with single_thread():
-        yield
-
-
-@functools.lru_cache(maxsize=1)
 def _model():
-    return tiny_llama(vocab_size=VOCAB, seed=42)
+    return shared_tiny_llama(vocab_size=VOCAB, seed=42)
 
 
 def greedy_cfg(n: int = NEW, stop_at_eos: bool = False) -> EngineConfig:

@@ -7,7 +7,7 @@ with plain full forwards and :func:`speculation.verify.target_probs` gives the E
 distribution ``p*`` of the first ``K = 3`` generated tokens (about 120 sequences have mass).
 
 Each decoding loop under test (vanilla; speculative with random multi-branch trees; speculative
-with the retrieval drafter) draws ``N = 2000`` independent 3-token continuations of one prompt,
+with the retrieval drafter; with a random EAGLE-3 head) draws ``N = 2000`` independent 3-token continuations of one prompt,
 every sample with its own ``SamplingConfig.seed``.
 
 * Null hypothesis H0: the samples are i.i.d. draws from ``p*`` (the loop is lossless).
@@ -43,11 +43,14 @@ import pytest
 import torch
 
 from speculation import verify as V
-from speculation.config import EngineConfig, RetrievalConfig, SamplingConfig
+from speculation.config import Eagle3Config, EngineConfig, RetrievalConfig, SamplingConfig
+from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.engine import generate_speculative, generate_vanilla
 from speculation.tree import ROOT, DraftTree
-from tests.helpers import RandomTreeDrafter, full_logits, single_thread, tiny_llama, tiny_target
+from tests.helpers import RandomTreeDrafter, full_logits, shared_tiny_llama, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 10
 K = 3  # generated tokens per sample
@@ -58,15 +61,8 @@ PROMPT = [1, 2, 3, 4, 1, 2, 3]
 SAMPLING = SamplingConfig(temperature=0.8, top_p=0.9)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with single_thread():
-        yield
-
-
-@functools.lru_cache(maxsize=1)
 def _model():
-    return tiny_llama(vocab_size=VOCAB, seed=0, lm_head_scale=LM_HEAD_SCALE)
+    return shared_tiny_llama(vocab_size=VOCAB, seed=0, lm_head_scale=LM_HEAD_SCALE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -199,9 +195,33 @@ def test_vanilla_sampling_matches_exact_distribution():
     assert p >= ALPHA, f"vanilla: X^2={stat:.1f}, df={df}, p={p:.2e}"
 
 
-def test_speculative_random_trees_are_lossless():
+def _random_tree_drafter(target):
+    return RandomTreeDrafter(VOCAB, seed=7, max_nodes=8, max_siblings=3, token_weights=draft_weights())
+
+
+def _retrieval_drafter(target):
+    return RetrievalDrafter(RetrievalConfig(budget=8), VOCAB)
+
+
+def _eagle3_drafter(target):
+    """A random-init EAGLE-3 head: its candidates are deterministic top-k given the context, i.e.
+    fixed before the verifier's uniforms are drawn, the condition under which section 2b is exact."""
+    cfg = Eagle3Config(checkpoint="random", draft_vocab_size=VOCAB, top_k=3, depth=2, total_tokens=10)
+    return build_eagle3_drafter(cfg, target)
+
+
+# Every tree drafter on main is listed here; a new drafter adds its factory.
+DRAFTERS = {
+    "random_tree": _random_tree_drafter,
+    "retrieval": _retrieval_drafter,
+    "eagle3": _eagle3_drafter,
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_speculative_sampling_is_lossless(name):
     target = tiny_target(_model())
-    drafter = RandomTreeDrafter(VOCAB, seed=7, max_nodes=8, max_siblings=3, token_weights=draft_weights())
+    drafter = DRAFTERS[name](target)
     accepted = []
 
     def sample(seed: int) -> list[int]:
@@ -210,25 +230,9 @@ def test_speculative_random_trees_are_lossless():
         return res.tokens
 
     stat, df, p, _ = run_test(sample)
-    print(f"random-tree speculative: X^2={stat:.1f}, df={df}, p={p:.3g}, accepted={sum(accepted)}")
-    assert p >= ALPHA, f"random-tree speculative: X^2={stat:.1f}, df={df}, p={p:.2e}"
-    assert sum(accepted) > N // 4, "drafts were (almost) never accepted: the test exercised nothing"
-
-
-def test_speculative_retrieval_is_lossless():
-    target = tiny_target(_model())
-    drafter = RetrievalDrafter(RetrievalConfig(budget=8), VOCAB)
-    accepted = []
-
-    def sample(seed: int) -> list[int]:
-        res = generate_speculative(target, drafter, PROMPT, engine_cfg(seed))
-        accepted.extend(s.accepted for s in res.steps)
-        return res.tokens
-
-    stat, df, p, _ = run_test(sample)
-    print(f"retrieval speculative: X^2={stat:.1f}, df={df}, p={p:.3g}, accepted={sum(accepted)}")
-    assert p >= ALPHA, f"retrieval speculative: X^2={stat:.1f}, df={df}, p={p:.2e}"
-    assert sum(accepted) > N // 4, "drafts were (almost) never accepted: the test exercised nothing"
+    print(f"{name} speculative: X^2={stat:.1f}, df={df}, p={p:.3g}, accepted={sum(accepted)}")
+    assert p >= ALPHA, f"{name} speculative: X^2={stat:.1f}, df={df}, p={p:.2e}"
+    assert sum(accepted) > N // 4, f"{name}: drafts were (almost) never accepted: the test exercised nothing"
 
 
 def _broken_sample(tree: DraftTree, logits: torch.Tensor, processors, generator: torch.Generator) -> V.VerifyResult:

@@ -11,7 +11,6 @@ On a tiny random Llama (fp32, sdpa), for random prompts and random tree shapes:
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -20,21 +19,16 @@ from hypothesis import strategies as st
 
 from speculation.target import TargetModel
 from speculation.tree import DraftTree, NodeSource
-from tests.helpers import TINY_AUX_LAYERS, full_logits, single_thread, tiny_llama
+from tests.helpers import TINY_AUX_LAYERS, full_logits, shared_tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 64
 ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with single_thread():
-        yield
-
-
-@functools.lru_cache(maxsize=1)
 def _model():
-    return tiny_llama(vocab_size=VOCAB, seed=1234)
+    return shared_tiny_llama(vocab_size=VOCAB, seed=1234)
 
 
 def _target() -> TargetModel:

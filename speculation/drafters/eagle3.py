@@ -21,6 +21,7 @@ keeps the aux history, so the next ``propose`` re-encodes the context with the n
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,7 @@ class Eagle3Drafter:
         self.cache = self._new_cache()
         self._last_y: torch.Tensor | None = None  # [H]
         self._last_logp: torch.Tensor | None = None  # [N_d] fp32
+        self._lock = threading.Lock()  # a swap never lands in the middle of a propose
 
     # ------------------------------------------------------------------ properties
     @property
@@ -128,14 +130,18 @@ class Eagle3Drafter:
         self.swap_model(fresh)
 
     def swap_model(self, model: Eagle3Model) -> None:
-        """Replace the network (same architecture); the context is re-encoded at the next propose."""
+        """Replace the network (same architecture; cast in place to the drafter's dtype).
+
+        Thread-safe against :meth:`propose`; the context is re-encoded at the next propose.
+        """
         if model.arch != self.model.arch:
             raise ValueError(f"cannot swap in a drafter of another architecture: {model.arch} != {self.model.arch}")
         model = model.to(self.dtype).eval()
         draft_ids = model.draft_ids()
-        self.model, self._draft_ids = model, draft_ids
-        self._encoded = 0
-        self.cache.length = 0
+        with self._lock:
+            self.model, self._draft_ids = model, draft_ids
+            self._encoded = 0
+            self.cache.length = 0
 
     # ------------------------------------------------------------------ protocol
     def begin(self, ctx: DraftContext, prompt_aux: torch.Tensor | None) -> None:
@@ -165,11 +171,12 @@ class Eagle3Drafter:
                 f"eagle3 drafter holds {self._n_pairs} feature rows for a context of {len(ctx.tokens)} tokens "
                 "(begin/observe were not called for every step)"
             )
-        forwards = 0
-        if self._encoded < self._n_pairs:
-            self._encode(ctx.tokens)
-            forwards += 1
-        tree = self._grow(ctx.root_token)
+        with self._lock:
+            forwards = 0
+            if self._encoded < self._n_pairs:
+                self._encode(ctx.tokens)
+                forwards += 1
+            tree = self._grow(ctx.root_token)
         return Proposal(tree=tree, drafter_forwards=forwards + self.config.depth)
 
     # ------------------------------------------------------------------ internals

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,7 @@ def save_checkpoint(
     }
     tmp = weights.with_suffix(".safetensors.tmp")
     save_file(tensors, str(tmp), metadata=meta)
+    os.chmod(tmp, 0o644)  # safetensors creates 0600 files; checkpoints are meant to be shared/committed
     tmp.replace(weights)
     if manifest is not None:
         mpath = weights.parent / MANIFEST_FILE if weights.name == WEIGHTS_FILE else weights.with_suffix(".json")

@@ -1,0 +1,510 @@
+"""Offline EAGLE-3 training: features cached per shard, TTT steps, checkpoints, resume, evaluation.
+
+Data flow per epoch: raw items (conversations) are grouped into shards of ``shard_size``; a
+shard's features are extracted from the target on first use and cached
+(:mod:`adaptation.eagle3_features`); its sequences are packed into length-sorted batches of at
+most ``batch_tokens`` tokens (:mod:`adaptation.eagle3_batches`) and trained with
+:func:`adaptation.eagle3_ttt.ttt_forward` (AdamW, warmup then linear decay, clipping, bf16
+autocast with fp32 master weights and fp32 softmax/CE).
+
+Curriculum: until ``curriculum_tokens`` tokens have been trained, only ``curriculum_steps`` TTT
+steps are unrolled (several times cheaper), then all ``ttt_steps``.
+
+Resume: ``<workdir>/state.pt`` (weights, optimizer, data cursor, counters, MLflow run id) is
+rewritten atomically every ``save_every_steps`` and at the end; a killed run restarts at the
+saved batch. At every ``eval_every_tokens`` the head is evaluated (held-out TTT accuracy and real
+speculative tau) and saved as a bf16 checkpoint under ``<workdir>/checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adaptation.eagle3_batches import make_batch, plan_batches
+from adaptation.eagle3_data import Sample
+from adaptation.eagle3_eval import heldout_metrics, measure_tau
+from adaptation.eagle3_features import FeatureCache
+from adaptation.eagle3_tracking import MetricsSink, NullSink
+from adaptation.eagle3_ttt import ttt_forward
+from adaptation.eagle3_vocab import DraftVocab, select_draft_vocab, token_counts
+from speculation.config import ConfigError, Eagle3Config
+from speculation.drafters.eagle3_checkpoint import TargetFingerprint, save_checkpoint
+from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
+
+
+def _check(name: str, ok: bool, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"train.{name} must be {rule}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Eagle3TrainConfig:
+    """Knobs of ``graftblock train eagle3``."""
+
+    max_len: int = 1024
+    """Tokens per training sequence (longer conversations are truncated). Range [16, 8192]."""
+    draft_vocab_size: int = 8192
+    """Draft vocabulary N_d (the LM head is H x N_d). Range [1, target vocab]."""
+    vocab_items: int = 2000
+    """Raw items (conversations) whose assistant tokens are counted to choose the vocab. >= 1."""
+    ttt_steps: int = 7
+    """Unrolled draft steps (training-time test). Range [1, 16]."""
+    curriculum_steps: int = 2
+    """Steps unrolled while ``tokens < curriculum_tokens``. Range [1, ttt_steps]."""
+    curriculum_tokens: int = 0
+    """Training tokens trained with ``curriculum_steps`` first (0 = no curriculum). >= 0."""
+    step_decay: float = 0.8
+    """Weight of step j is decay^j. Range (0, 1]."""
+    lr: float = 1e-4
+    """Peak learning rate (AdamW, betas 0.9/0.95). Range (0, 1]."""
+    min_lr_ratio: float = 0.1
+    """Final lr / peak lr of the linear decay over the budget (``max_tokens`` or ``max_minutes``,
+    whichever is used up first). Range [0, 1]."""
+    warmup_steps: int = 20
+    """Linear warmup steps. >= 0."""
+    weight_decay: float = 0.0
+    """AdamW weight decay. >= 0."""
+    grad_clip: float = 0.5
+    """Global gradient-norm clip. > 0."""
+    batch_tokens: int = 2048
+    """Padded tokens per optimizer step (B x S). >= max_len."""
+    max_tokens: int = 1_000_000
+    """Stop after this many training tokens (all epochs). >= 1."""
+    max_minutes: float = 0.0
+    """Stop after this many wall minutes of training, summed over resumes (0 = no limit). >= 0."""
+    epochs: int = 1
+    """Passes over the data (later passes reuse the feature cache). >= 1."""
+    topk: int = 32
+    """Target logits kept per position (soft targets). Range [1, 1024]."""
+    shard_size: int = 32
+    """Sequences per feature shard. >= 1."""
+    eval_every_tokens: int = 250_000
+    """Evaluate + save a checkpoint every this many training tokens (0 = only at the end). >= 0."""
+    eval_every_minutes: float = 0.0
+    """Also evaluate + save every this many wall minutes (0 = off). >= 0."""
+    eval_at_start: bool = False
+    """Also evaluate the untrained head (a tau point at 0 tokens)."""
+    eval_prompts: int = 8
+    """Held-out prompts for the tau measurement (0 = skip it). >= 0."""
+    eval_max_new_tokens: int = 64
+    """New tokens per tau prompt. >= 1."""
+    eval_tree: Eagle3Config = field(default_factory=lambda: Eagle3Config(checkpoint="random"))
+    """Tree knobs (total_tokens, depth, top_k) used for the tau measurement."""
+    save_every_steps: int = 25
+    """Rewrite the resume state every this many optimizer steps. >= 1."""
+    log_every_steps: int = 5
+    """Log training metrics every this many steps. >= 1."""
+    seed: int = 0
+    """Initialisation and batch-order seed. >= 0."""
+    autocast_bf16: bool = True
+    """bf16 autocast for the forward/backward (fp32 master weights, fp32 softmax/CE)."""
+
+    def __post_init__(self) -> None:
+        _check("max_len", 16 <= self.max_len <= 8192, "in [16, 8192]", self.max_len)
+        _check("draft_vocab_size", self.draft_vocab_size >= 1, ">= 1", self.draft_vocab_size)
+        _check("vocab_items", self.vocab_items >= 1, ">= 1", self.vocab_items)
+        _check("ttt_steps", 1 <= self.ttt_steps <= 16, "in [1, 16]", self.ttt_steps)
+        _check("curriculum_steps", 1 <= self.curriculum_steps <= self.ttt_steps, f"in [1, ttt_steps={self.ttt_steps}]",
+               self.curriculum_steps)
+        _check("curriculum_tokens", self.curriculum_tokens >= 0, ">= 0", self.curriculum_tokens)
+        _check("step_decay", 0 < self.step_decay <= 1, "in (0, 1]", self.step_decay)
+        _check("lr", 0 < self.lr <= 1, "in (0, 1]", self.lr)
+        _check("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]", self.min_lr_ratio)
+        _check("warmup_steps", self.warmup_steps >= 0, ">= 0", self.warmup_steps)
+        _check("weight_decay", self.weight_decay >= 0, ">= 0", self.weight_decay)
+        _check("grad_clip", self.grad_clip > 0, "> 0", self.grad_clip)
+        _check("batch_tokens", self.batch_tokens >= self.max_len, f">= max_len={self.max_len}", self.batch_tokens)
+        _check("max_tokens", self.max_tokens >= 1, ">= 1", self.max_tokens)
+        _check("max_minutes", self.max_minutes >= 0, ">= 0", self.max_minutes)
+        _check("epochs", self.epochs >= 1, ">= 1", self.epochs)
+        _check("topk", 1 <= self.topk <= 1024, "in [1, 1024]", self.topk)
+        _check("shard_size", self.shard_size >= 1, ">= 1", self.shard_size)
+        _check("eval_every_tokens", self.eval_every_tokens >= 0, ">= 0", self.eval_every_tokens)
+        _check("eval_every_minutes", self.eval_every_minutes >= 0, ">= 0", self.eval_every_minutes)
+        _check("eval_prompts", self.eval_prompts >= 0, ">= 0", self.eval_prompts)
+        _check("eval_max_new_tokens", self.eval_max_new_tokens >= 1, ">= 1", self.eval_max_new_tokens)
+        _check("save_every_steps", self.save_every_steps >= 1, ">= 1", self.save_every_steps)
+        _check("log_every_steps", self.log_every_steps >= 1, ">= 1", self.log_every_steps)
+        _check("seed", self.seed >= 0, ">= 0", self.seed)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eval_tree"] = {k: v for k, v in asdict(self.eval_tree).items() if k in ("total_tokens", "depth", "top_k")}
+        return d
+
+
+@dataclass
+class TrainState:
+    """Everything a resumed run needs besides weights and optimizer state."""
+
+    step: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    sequences: int = 0
+    epoch: int = 0
+    shard: int = 0
+    batch: int = 0
+    elapsed_s: float = 0.0
+    last_eval_tokens: int = -1
+    last_eval_elapsed_s: float = 0.0
+    mlflow_run_id: str | None = None
+    last_loss: float = math.nan
+    evals: list[dict] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """Where training text comes from.
+
+    Attributes:
+        items: a fresh iterator over raw training items (held-out items excluded), in a fixed order.
+        to_samples: raw items of one shard -> training samples (tokenize, or regenerate + tokenize).
+        vocab_samples: samples whose assistant tokens choose the draft vocabulary.
+        heldout: held-out samples (features for held-out accuracy).
+        eval_prompts: held-out prompt ids for the tau measurement.
+        description: recorded in the manifest.
+    """
+
+    items: Callable[[], Iterator[Any]]
+    to_samples: Callable[[list[Any]], list[Sample]]
+    vocab_samples: Callable[[], Iterator[Sample]]
+    heldout: list[Sample]
+    eval_prompts: list[list[int]]
+    description: dict = field(default_factory=dict)
+
+
+def _lr(cfg: Eagle3TrainConfig, step: int, progress: float) -> float:
+    """``lr * min(1, (step+1)/warmup) * (1 - (1 - min_ratio) * min(1, progress))``.
+
+    ``progress`` is the fraction of the budget used: max(tokens / max_tokens, minutes / max_minutes).
+    """
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    return cfg.lr * warm * (1.0 - (1.0 - cfg.min_lr_ratio) * min(1.0, progress))
+
+
+class Eagle3Trainer:
+    """Trains one EAGLE-3 head for ``target`` in ``workdir`` (resumable).
+
+    Args:
+        cfg: training knobs.
+        target: a :class:`~speculation.target.TargetModel` (extraction and evaluation dtype).
+        data: the training text (:class:`TrainData`).
+        workdir: features, checkpoints and resume state live here.
+        target_name: recorded in checkpoints and manifests (e.g. ``smollm2-135m``).
+        sink: run logging (MLflow or nothing).
+        progress: show a tqdm bar.
+    """
+
+    def __init__(
+        self,
+        cfg: Eagle3TrainConfig,
+        target: Any,
+        data: TrainData,
+        workdir: str | Path,
+        target_name: str,
+        sink: MetricsSink | None = None,
+        progress: bool = True,
+        on_stop_signal: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.target = target
+        self.data = data
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.target_name = target_name
+        self.sink: MetricsSink = sink or NullSink()
+        self.progress = progress
+        self.fingerprint = TargetFingerprint.from_target(target, name=target_name)
+        self.cache = FeatureCache(self.workdir / "features")
+        self.embed = target.model.get_input_embeddings().weight.detach()
+        self.state = TrainState()
+        self.vocab: DraftVocab | None = None
+        self.model: Eagle3Model | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        self._stop_requested = False
+        self._install_signals = on_stop_signal
+        self._t0 = 0.0
+        self._base_elapsed = 0.0
+        self._t2d = torch.empty(0, dtype=torch.long)
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def state_path(self) -> Path:
+        return self.workdir / "state.pt"
+
+    def _choose_vocab(self) -> DraftVocab:
+        path = self.workdir / "vocab.json"
+        if path.is_file():
+            return DraftVocab.from_dict(json.loads(path.read_text()))
+        samples = itertools.islice(self.data.vocab_samples(), self.cfg.vocab_items)
+        vocab = select_draft_vocab(token_counts(samples, self.target.vocab_size),
+                                   min(self.cfg.draft_vocab_size, self.target.vocab_size))
+        path.write_text(json.dumps(vocab.to_dict()))
+        return vocab
+
+    def setup(self) -> None:
+        """Vocabulary, head (fresh or resumed), optimizer and the feature-cache contract."""
+        self.cache.check_meta({
+            "target": self.fingerprint.to_dict(),
+            "topk": self.cfg.topk,
+            "max_len": self.cfg.max_len,
+            "shard_size": self.cfg.shard_size,
+            "data": self.data.description,
+        })
+        self.vocab = self._choose_vocab()
+        arch = Eagle3Arch.from_target_config(self.target.model.config, self.target.vocab_size, self.vocab.ids.numel())
+        torch.manual_seed(self.cfg.seed)
+        model = Eagle3Model(arch)
+        model.set_vocab(self.vocab.ids)
+        model.init_head_from_target(self.target.model.get_output_embeddings().weight.detach().float())
+        self.model = model.float().train()
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
+        )
+        if self.state_path.is_file():
+            saved = torch.load(self.state_path, map_location="cpu", weights_only=False)
+            model.load_state_dict(saved["model"])
+            self.opt.load_state_dict(saved["optimizer"])
+            self.state = TrainState(**saved["state"])
+
+    def saved_run_id(self) -> str | None:
+        """The MLflow run id recorded by an earlier (interrupted) run in this workdir."""
+        if not self.state_path.is_file():
+            return None
+        return torch.load(self.state_path, map_location="cpu", weights_only=False)["state"].get("mlflow_run_id")
+
+    def _eval_due(self) -> bool:
+        cfg, st = self.cfg, self.state
+        by_tokens = cfg.eval_every_tokens and st.tokens - max(st.last_eval_tokens, 0) >= cfg.eval_every_tokens
+        by_time = cfg.eval_every_minutes and self._elapsed() - st.last_eval_elapsed_s >= 60.0 * cfg.eval_every_minutes
+        return bool(by_tokens or by_time)
+
+    def _save_state(self) -> None:
+        assert self.model is not None and self.opt is not None
+        self.state.elapsed_s = self._elapsed()
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                    "state": asdict(self.state)}, tmp)
+        tmp.replace(self.state_path)
+
+    def _elapsed(self) -> float:
+        return self._base_elapsed + (time.perf_counter() - self._t0)
+
+    # ------------------------------------------------------------------ data
+    def _shards(self) -> Iterator[tuple[int, list[Any]]]:
+        """``(shard index, raw items)`` of the current epoch, starting at the saved shard."""
+        it = self.data.items()
+        for idx in itertools.count():
+            items = list(itertools.islice(it, self.cfg.shard_size))
+            if not items:
+                return
+            if idx >= self.state.shard:
+                yield idx, items
+
+    def _heldout_shard(self):
+        if not self.data.heldout:
+            return None
+        return self.cache.get_or_extract("heldout", self.data.heldout, self.target.model, self.target.aux_layers,
+                                         self.cfg.topk)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, heldout) -> dict[str, float]:
+        """Held-out TTT accuracy and (if prompts) tau; saves a checkpoint for this point."""
+        assert self.model is not None
+        metrics: dict[str, float] = {"tokens": float(self.state.tokens)}
+        if heldout is not None:
+            metrics.update(heldout_metrics(self.model, self.embed, heldout, self.cfg.ttt_steps,
+                                           self.cfg.batch_tokens, self.cfg.autocast_bf16))
+        if self.data.eval_prompts and self.cfg.eval_prompts:
+            t = time.perf_counter()
+            tau = measure_tau(self.target, self.model, self.cfg.eval_tree,
+                              self.data.eval_prompts[: self.cfg.eval_prompts], self.cfg.eval_max_new_tokens)
+            metrics.update({f"heldout.{k}": v for k, v in tau.items()})
+            metrics["heldout.tau_eval_s"] = time.perf_counter() - t
+        record = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
+        record["tokens"] = self.state.tokens
+        record["step"] = self.state.step
+        self.state.evals.append(record)
+        self.state.last_eval_tokens = self.state.tokens
+        self.state.last_eval_elapsed_s = self._elapsed()
+        ck = self.workdir / "checkpoints" / f"tokens_{self.state.tokens:010d}"
+        save_checkpoint(ck, self.model, self.fingerprint, manifest=self.manifest(record))
+        self.sink.log_metrics(metrics, step=self.state.tokens)
+        return metrics
+
+    def manifest(self, last_eval: dict | None = None, command: str | None = None) -> dict:
+        """What a checkpoint is: target, data, training counters, held-out results, tau curve."""
+        assert self.vocab is not None
+        last_eval = last_eval or (self.state.evals[-1] if self.state.evals else {})
+        return {
+            "format": "graftblock-eagle3/1",
+            "target": {"name": self.target_name, **self.fingerprint.to_dict()},
+            "data": self.data.description,
+            "draft_vocab": {"size": int(self.vocab.ids.numel()), "coverage": self.vocab.coverage,
+                            "counted_tokens": self.vocab.counted_tokens},
+            "training": {
+                "steps": self.state.step,
+                "tokens": self.state.tokens,
+                "loss_tokens": self.state.loss_tokens,
+                "sequences": self.state.sequences,
+                "epochs_started": self.state.epoch + 1,
+                "wall_s": round(self._elapsed() if self._t0 else self.state.elapsed_s, 1),
+                "last_loss": self.state.last_loss,
+                "config": self.cfg.to_dict(),
+            },
+            "heldout": last_eval,
+            "tau_curve": [
+                {"tokens": e["tokens"], "tau": e.get("heldout.tau"), "acc_0": e.get("heldout.acc_0")}
+                for e in self.state.evals
+            ],
+            "command": command,
+            "created_unix": int(time.time()),
+        }
+
+    # ------------------------------------------------------------------ training
+    def _train_step(self, batch) -> dict[str, float]:
+        assert self.model is not None and self.opt is not None
+        cfg = self.cfg
+        steps = cfg.curriculum_steps if self.state.tokens < cfg.curriculum_tokens else cfg.ttt_steps
+        lr = _lr(cfg, self.state.step, self._progress())
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            res = ttt_forward(self.model, self.embed, batch, steps, self._t2d, cfg.step_decay)
+        self.opt.zero_grad(set_to_none=True)
+        if res.loss.requires_grad:
+            res.loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.opt.step()
+        self.state.step += 1
+        self.state.tokens += batch.num_tokens
+        self.state.sequences += batch.input_ids.shape[0]
+        self.state.loss_tokens += res.step_count[0]
+        self.state.last_loss = float(res.loss.detach())
+        out = {"train.loss": self.state.last_loss, "train.lr": lr, "train.ttt_steps": float(steps)}
+        out.update({f"train.acc_{j}": a for j, a in enumerate(res.step_acc)})
+        return out
+
+    def _progress(self) -> float:
+        frac = self.state.tokens / self.cfg.max_tokens
+        if self.cfg.max_minutes:
+            frac = max(frac, self._elapsed() / (60.0 * self.cfg.max_minutes))
+        return frac
+
+    def _should_stop(self) -> str | None:
+        if self._stop_requested:
+            return "signal"
+        if self.state.tokens >= self.cfg.max_tokens:
+            return "max_tokens"
+        if self.cfg.max_minutes and self._elapsed() >= 60.0 * self.cfg.max_minutes:
+            return "max_minutes"
+        return None
+
+    def run(self, export: str | Path | None = None, command: str | None = None) -> dict:
+        """Train until a stop condition; evaluate, write the final checkpoint (and ``export``)."""
+        self.setup()
+        assert self.model is not None
+        self._t0 = time.perf_counter()
+        self._base_elapsed = self.state.elapsed_s
+        self._t2d = self.model.target_to_draft()
+        self.state.mlflow_run_id = self.sink.run_id or self.state.mlflow_run_id
+        old_handler = None
+        if self._install_signals:
+            old_handler = signal.signal(signal.SIGTERM, self._on_signal)
+        self.sink.log_params({"train": self.cfg.to_dict(), "target": self.target_name,
+                              "draft_vocab_coverage": self.vocab.coverage if self.vocab else None,
+                              "data": self.data.description})
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.cfg.max_tokens, initial=min(self.state.tokens, self.cfg.max_tokens),
+                       unit="tok", unit_scale=True, desc="train eagle3", dynamic_ncols=True)
+        heldout = self._heldout_shard()
+        reason = None
+        try:
+            if self.cfg.eval_at_start and self.state.tokens == 0 and not self.state.evals:
+                self.evaluate(heldout)
+            while self.state.epoch < self.cfg.epochs:
+                trained_any = False
+                for shard_idx, items in self._shards():
+                    reason = self._should_stop()
+                    if reason:
+                        break
+                    cached = self.cache.has(shard_idx)
+                    samples = [] if cached else self.data.to_samples(items)
+                    if not cached and not samples:
+                        self.state.shard = shard_idx + 1
+                        continue
+                    shard = self.cache.get_or_extract(shard_idx, samples, self.target.model,
+                                                      self.target.aux_layers, self.cfg.topk)
+                    plan = plan_batches(shard.lengths(), self.cfg.batch_tokens,
+                                        seed=self.cfg.seed * 1_000_003 + self.state.epoch * 10_007 + shard_idx)
+                    for b in range(self.state.batch, len(plan)):
+                        reason = self._should_stop()
+                        if reason:
+                            break
+                        before = self.state.tokens
+                        metrics = self._train_step(make_batch(shard, plan[b]))
+                        trained_any = True
+                        self.state.batch = b + 1
+                        if bar is not None:
+                            bar.update(self.state.tokens - before)
+                            bar.set_postfix(loss=f"{metrics['train.loss']:.3f}", acc0=f"{metrics['train.acc_0']:.3f}")
+                        if self.state.step % self.cfg.log_every_steps == 0:
+                            metrics["train.tokens_per_s"] = self.state.tokens / max(self._elapsed(), 1e-9)
+                            self.sink.log_metrics(metrics, step=self.state.tokens)
+                        if self.state.step % self.cfg.save_every_steps == 0:
+                            self._save_state()
+                        if self._eval_due():
+                            self.evaluate(heldout)
+                            self._save_state()
+                    reason = reason or self._should_stop()
+                    if reason:
+                        break
+                    self.state.shard = shard_idx + 1
+                    self.state.batch = 0
+                if reason:
+                    break
+                self.state.epoch += 1
+                self.state.shard = 0
+                self.state.batch = 0
+                if not trained_any:
+                    reason = "data exhausted"
+                    break
+            reason = reason or "epochs done"
+            if reason != "signal" and self.state.last_eval_tokens != self.state.tokens:
+                self.evaluate(heldout)
+            self.state.done = reason != "signal"
+            self._save_state()
+            manifest = self.manifest(command=command)
+            manifest["training"]["stop_reason"] = reason
+            final = save_checkpoint(self.workdir / "final", self.model, self.fingerprint, manifest=manifest)
+            if export is not None:
+                save_checkpoint(export, self.model, self.fingerprint, manifest=manifest)
+            self.sink.log_artifact(final.parent / "manifest.json")
+            self.sink.finish("FINISHED" if reason != "signal" else "KILLED")
+            return manifest
+        except BaseException:
+            self._save_state()
+            self.sink.finish("FAILED")
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+            if old_handler is not None:
+                signal.signal(signal.SIGTERM, old_handler)
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        self._stop_requested = True

@@ -1,0 +1,313 @@
+"""Compare MLflow runs: a table, a Pareto plot and the best config as a bench-ready YAML.
+
+    graftblock compare --experiment graftblock-sweep-smoke [--tracking-uri URI] [--out-dir DIR]
+    python -m sweeps.compare --experiment NAME
+
+Rows are (run, method) pairs: a sweep trial contributes its swept method, a ``graftblock bench``
+run every non-vanilla method it measured. Metrics follow the bench JSON names
+(``<method>.speedup`` …). The Pareto plot shows speedup against tree size and against
+drafting share (front: higher speedup at lower cost). ``best_config.yaml`` holds the finished
+row with the highest speedup as ``<method>: {knob: value, …}``, the format of
+``graftblock bench --config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from speculation.config import ConfigError
+from sweeps import tracking
+
+COLUMNS = ("speedup", "tau", "tokens_per_s", "mean_tree_size", "drafting_share")
+
+
+@dataclass
+class Row:
+    """One method measured in one MLflow run."""
+
+    run_id: str
+    run_name: str
+    status: str
+    kind: str
+    method: str
+    trial_number: int | None
+    config: dict[str, Any]
+    metrics: dict[str, float | None]
+
+
+@dataclass
+class CompareReport:
+    """What :func:`compare` found and wrote."""
+
+    rows: list[Row]
+    best: dict[str, Any] | None
+    files: list[Path] = field(default_factory=list)
+
+
+def _parse_param(value: str) -> Any:
+    if value == "None":
+        return None
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
+def _methods_in(metrics: dict[str, float]) -> list[str]:
+    names = set()
+    for key in metrics:
+        parts = key.split(".")
+        if len(parts) == 2 and parts[1] == "speedup" and parts[0] != "vanilla":
+            names.add(parts[0])
+    return sorted(names)
+
+
+def _config_for(run, method: str) -> dict[str, Any]:
+    raw = run.data.tags.get(tracking.CONFIG_TAG)
+    if raw and run.data.tags.get(tracking.METHOD_TAG) == method:
+        try:
+            cfg = json.loads(raw)
+        except json.JSONDecodeError:
+            cfg = None
+        if isinstance(cfg, dict):
+            return cfg
+    prefix = f"method.{method}."
+    return {k[len(prefix) :]: _parse_param(v) for k, v in run.data.params.items() if k.startswith(prefix)}
+
+
+def collect_rows(experiment: str, uri: str | None = None, study: str | None = None) -> list[Row]:
+    """Rows of every run in ``experiment`` (optionally only one sweep's trials)."""
+    import mlflow
+
+    uri = tracking.resolve_uri(uri)
+    tracking.check_reachable(uri)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in client.search_experiments())
+        raise ConfigError(f"no MLflow experiment {experiment!r} in {uri}; experiments there: {names}")
+    rows: list[Row] = []
+    for run in client.search_runs(
+        [exp.experiment_id], max_results=5000, order_by=["attributes.start_time ASC"]
+    ):
+        tags = run.data.tags
+        kind = tags.get(tracking.KIND_TAG, "")
+        if kind == "sweep":
+            continue
+        if study is not None and tags.get(tracking.STUDY_TAG) != study:
+            continue
+        number = tags.get(tracking.TRIAL_TAG)
+        methods = (
+            [tags[tracking.METHOD_TAG]] if tracking.METHOD_TAG in tags else _methods_in(run.data.metrics)
+        )
+        for method in methods:
+            metrics = {
+                c: run.data.metrics.get(f"{method}.{c}", run.data.metrics.get(c) if number else None)
+                for c in COLUMNS
+            }
+            rows.append(
+                Row(
+                    run_id=run.info.run_id,
+                    run_name=run.info.run_name or "",
+                    status=run.info.status,
+                    kind=kind,
+                    method=method,
+                    trial_number=int(number) if number is not None else None,
+                    config=_config_for(run, method),
+                    metrics=metrics,
+                )
+            )
+    return rows
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of points not dominated when maximising y and minimising x."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        dominated = any(
+            (x2 <= x and y2 >= y) and (x2 < x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i
+        )
+        if not dominated:
+            front.append(i)
+    return front
+
+
+def _label(r: Row) -> str:
+    return f"#{r.trial_number}" if r.trial_number is not None else r.method
+
+
+def plot_pareto(rows: list[Row], path: Path) -> Path:
+    """Speedup vs tree size and vs drafting share, Pareto front highlighted (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, xkey, xlabel in (
+        (axes[0], "mean_tree_size", "mean tree size (tokens verified / step)"),
+        (axes[1], "drafting_share", "drafting share of wall time"),
+    ):
+        pts = [
+            (r, r.metrics[xkey], r.metrics["speedup"])
+            for r in rows
+            if r.metrics.get(xkey) is not None and r.metrics.get("speedup") is not None
+        ]
+        if not pts:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        else:
+            xy = [(x, y) for _, x, y in pts]
+            front = set(pareto_front(xy))
+            ax.scatter([x for x, _ in xy], [y for _, y in xy], c="tab:grey", label="runs")
+            fr = sorted(xy[i] for i in front)
+            ax.plot([x for x, _ in fr], [y for _, y in fr], "o-", c="tab:red", label="Pareto front")
+            for i, (r, x, y) in enumerate(pts):
+                if i in front:
+                    ax.annotate(_label(r), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("speedup vs vanilla")
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def best_row(rows: list[Row], metric: str = "speedup") -> Row | None:
+    done = [r for r in rows if r.status == "FINISHED" and r.metrics.get(metric) is not None]
+    return max(done, key=lambda r: r.metrics[metric]) if done else None
+
+
+def best_config(row: Row) -> dict[str, dict[str, Any]]:
+    """``{method: options}`` for ``graftblock bench --config`` (checked by resolving it)."""
+    from speculation.drafters import resolve_methods
+
+    opts = {k: v for k, v in row.config.items() if k != "type"}
+    if "type" in row.config and row.config["type"] != row.method:
+        opts = {"type": row.config["type"], **opts}
+    out = {row.method: opts}
+    resolve_methods([row.method], out)  # the file must load in `graftblock bench --config`
+    return out
+
+
+def render_table(rows: list[Row], title: str, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=160)  # job logs are not a terminal: do not squeeze to 80
+    knobs = sorted({k for r in rows for k in r.config if k != "type"})
+    varying = [k for k in knobs if len({json.dumps(r.config.get(k), default=str) for r in rows}) > 1]
+    t = Table(title=title)
+    for col in ("run", "method", "status", *varying, *COLUMNS):
+        t.add_column(col, justify="left" if col in ("run", "method", "status") else "right")
+    for r in sorted(rows, key=lambda r: -(r.metrics.get("speedup") or 0.0)):
+        cells = [_label(r) if r.trial_number is not None else r.run_name, r.method, r.status]
+        cells += [str(r.config.get(k)) for k in varying]
+        cells += ["-" if r.metrics.get(c) is None else f"{r.metrics[c]:.3f}" for c in COLUMNS]
+        t.add_row(*cells)
+    console.print(t)
+
+
+def compare(
+    experiment: str,
+    uri: str | None,
+    out_dir: str | Path,
+    study: str | None = None,
+    metric: str = "speedup",
+    console=None,
+) -> CompareReport:
+    """Collect rows, print the table, write ``pareto.png``, ``runs.json`` and ``best_config.yaml``."""
+    rows = collect_rows(experiment, uri, study)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    render_table(rows, f"{experiment}: {len(rows)} row(s)", console)
+    files = [plot_pareto(rows, out / "pareto.png")]
+    runs_json = out / "runs.json"
+    runs_json.write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
+    files.append(runs_json)
+    best = best_row(rows, metric)
+    best_info = None
+    if best is not None:
+        cfg = best_config(best)
+        path = out / "best_config.yaml"
+        header = (
+            f"# best by {metric} in MLflow experiment {experiment!r}: run {best.run_id}"
+            + (f", trial {best.trial_number}" if best.trial_number is not None else "")
+            + "\n"
+            + f"# use: graftblock bench --methods vanilla,{best.method} --config {path.name}\n"
+        )
+        path.write_text(header + yaml.safe_dump(cfg, sort_keys=True))
+        files.append(path)
+        best_info = {
+            "run_id": best.run_id,
+            "trial_number": best.trial_number,
+            "method": best.method,
+            "config": cfg[best.method],
+            "metrics": best.metrics,
+        }
+    return CompareReport(rows=rows, best=best_info, files=files)
+
+
+def build_parser(prog: str = "python -m sweeps.compare") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Compare MLflow runs (table, Pareto plot, best config)."
+    )
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experiment", required=True, help="MLflow experiment name")
+    p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite:///<cwd>/mlflow.db)")
+    p.add_argument("--study", default=None, help="only the trials of this sweep study")
+    p.add_argument("--metric", default="speedup", help="what 'best' maximises (default speedup)")
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        help="where to write pareto.png, runs.json, best_config.yaml (default runs/compare/<experiment>)",
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(width=160)
+    out = Path(args.out_dir) if args.out_dir else Path("runs") / "compare" / args.experiment
+    report = compare(
+        args.experiment, args.tracking_uri, out, study=args.study, metric=args.metric, console=console
+    )
+    if report.best is None:
+        console.print("no finished run with a speedup yet")
+    else:
+        b = report.best
+        console.print(
+            f"best: {b['method']} run {b['run_id']}"
+            + (f" (trial {b['trial_number']})" if b["trial_number"] is not None else "")
+            + f", speedup {b['metrics']['speedup']:.3f}"
+        )
+    for f in report.files:
+        console.print(f"wrote {f.resolve()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run_from_args(args)
+    except (ConfigError, tracking.TrackingError) as exc:
+        print(f"compare: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""End to end: a real Ray head, ``ray job submit`` of the smoke sweep, MLflow/Optuna checks,
+``graftblock compare``, and a killed-then-resubmitted sweep (marked ``slow``; ~3 min on 2 CPUs).
+
+The head is started here (``ray start --head --block`` in its own process group, loopback,
+free ports, a dedicated ``--temp-dir``) and stopped by signalling that process group and any
+process still running from that temp dir; ``ray stop`` is never used (it would stop every Ray
+cluster on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.ray_fixtures import RAY_TEST_ENV
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = {
+        **os.environ,
+        **RAY_TEST_ENV,
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+class RayHead:
+    """A ``ray start --head --block`` process group on loopback, stopped by PID."""
+
+    def __init__(self) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix="gbray", dir="/tmp")
+        self.gcs_port, self.dash_port = _free_port(), _free_port()
+        cmd = [
+            str(VENV_BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(self.gcs_port),
+            "--num-cpus",
+            "2",
+            "--include-dashboard",
+            "true",
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(self.dash_port),
+            "--ray-client-server-port",
+            str(_free_port()),
+            "--dashboard-agent-listen-port",
+            str(_free_port()),
+            "--runtime-env-agent-port",
+            str(_free_port()),
+            "--temp-dir",
+            self.temp_dir,
+            "--disable-usage-stats",
+        ]
+        self.log = open(Path(self.temp_dir) / "head.log", "w")
+        self.proc = subprocess.Popen(
+            cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+        )
+        self.address = f"http://127.0.0.1:{self.dash_port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"ray start exited: {(Path(self.temp_dir) / 'head.log').read_text()[-3000:]}"
+                )
+            try:
+                urllib.request.urlopen(f"{self.address}/api/version", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise RuntimeError("the Ray head's job server did not come up in 90 s")
+
+    def _leftovers(self) -> list[int]:
+        """PIDs of processes still running from this head's temp dir (workers, agents)."""
+        pids = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if self.temp_dir in cmdline:
+                pids.append(int(d.name))
+        return pids
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            for pid in self._leftovers():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                continue
+            deadline = time.monotonic() + 10
+            while self._leftovers() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if not self._leftovers():
+                break
+        self.log.close()
+        if not self._leftovers():
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def head():
+    h = RayHead()
+    try:
+        yield h
+    finally:
+        h.stop()
+        assert not h._leftovers(), "Ray processes of the test head are still running"
+
+
+def _ray(head: RayHead, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(VENV_BIN / "ray"), *args], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _submit(head: RayHead, config: Path, root: Path, sid: str) -> None:
+    out = _ray(
+        head,
+        "job",
+        "submit",
+        "--address",
+        head.address,
+        "--submission-id",
+        sid,
+        "--no-wait",
+        "--working-dir",
+        ".",
+        "--",
+        sys.executable,
+        "-m",
+        "sweeps.run",
+        "--config",
+        str(config),
+        "--root",
+        str(root),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _client(head: RayHead):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(head.address)
+
+
+def _wait(head: RayHead, sid: str, timeout: float = 600) -> str:
+    from ray.job_submission import JobStatus
+
+    client = _client(head)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = client.get_job_status(sid)
+        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            return status
+        time.sleep(2)
+    raise TimeoutError(f"job {sid} still {status} after {timeout}s:\n{client.get_job_logs(sid)[-4000:]}")
+
+
+def _study(root: Path, name: str):
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{root / 'runs' / 'sweeps' / 'optuna.db'}")
+
+
+def _trial_runs(root: Path, experiment: str, study: str):
+    import mlflow
+
+    from sweeps import tracking
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    exp = mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
+    return (
+        uri,
+        exp,
+        tracking.find_runs(
+            uri, exp.experiment_id, {tracking.STUDY_TAG: study, tracking.KIND_TAG: "sweep_trial"}
+        ),
+    )
+
+
+def test_smoke_sweep_job(head, tmp_path):
+    import mlflow
+    from optuna.trial import TrialState
+
+    from sweeps import tracking
+
+    sid = f"smoke-{int(time.time())}"
+    config = REPO / "ray_configs" / "sweep_smoke.yaml"
+    _submit(head, config, tmp_path, sid)
+    status = _wait(head, sid)
+    logs = _client(head).get_job_logs(sid)
+    assert status == "SUCCEEDED", logs[-4000:]
+    assert "[sweep smoke] trial 0 finished" in logs and "done 3/3 (failed 0)" in logs
+
+    study = _study(tmp_path, "smoke")
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == 3 == len(study.trials)
+
+    uri, exp, runs = _trial_runs(tmp_path, "graftblock-sweep-smoke", "smoke")
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    parents = tracking.find_runs(
+        uri, exp.experiment_id, {tracking.KIND_TAG: "sweep", tracking.STUDY_TAG: "smoke"}
+    )
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert exp.artifact_location.startswith(str(tmp_path))  # absolute, not the job's temp dir
+    assert sorted(int(r.data.tags[tracking.TRIAL_TAG]) for r in runs) == sorted(t.number for t in complete)
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+        m = run.data.metrics
+        for key in (
+            "speedup",
+            "tau",
+            "tokens_per_s",
+            "drafting_share",
+            "mean_tree_size",
+            "retrieval.humaneval.speedup",
+            "retrieval.translation.tau",
+            "baseline_tokens_per_s",
+        ):
+            assert key in m, key
+        number = int(run.data.tags[tracking.TRIAL_TAG])
+        assert m["speedup"] == pytest.approx(study.trials[number].values[0])
+        assert run.data.params["method.retrieval.budget"] == str(study.trials[number].params["budget"])
+        arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {f"trial-{number:04d}.json", f"trial-{number:04d}-categories.png"} <= arts
+        bench = json.loads(
+            Path(
+                client.download_artifacts(run.info.run_id, f"trial-{number:04d}.json", str(tmp_path))
+            ).read_text()
+        )
+        assert bench["methods"]["retrieval"]["lossless"] is True  # greedy fp32: token-identical to vanilla
+
+    out = tmp_path / "cmp"
+    cmp = subprocess.run(
+        [
+            str(VENV_BIN / "graftblock"),
+            "compare",
+            "--experiment",
+            "graftblock-sweep-smoke",
+            "--tracking-uri",
+            uri,
+            "--out-dir",
+            str(out),
+        ],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cmp.returncode == 0, cmp.stderr
+    assert "best: retrieval" in cmp.stdout and (out / "pareto.png").stat().st_size > 5000
+    from speculation.drafters import resolve_methods
+
+    best = yaml.safe_load((out / "best_config.yaml").read_text())
+    assert resolve_methods(["retrieval"], best)[0].config.cost_aware is False
+
+
+def test_killed_sweep_resumes_without_losing_or_repeating_trials(head, tmp_path):
+    from optuna.trial import TrialState
+
+    from sweeps import tracking
+
+    data = yaml.safe_load((REPO / "ray_configs" / "sweep_smoke.yaml").read_text())
+    # Multi-objective here (speedup vs drafting share), so both modes run end to end.
+    data.update(study="resume", trials=3, categories=["nq_open"], objective="speedup_vs_drafting")
+    config = tmp_path / "sweep_resume.yaml"
+    config.write_text(yaml.safe_dump(data))
+
+    sid = f"resume-a-{int(time.time())}"
+    _submit(head, config, tmp_path, sid)
+    deadline = time.monotonic() + 300
+    client = _client(head)
+    while time.monotonic() < deadline:  # kill once one trial finished and the next one runs
+        # Open the storage only after the job created it (two processes creating the schema race).
+        if "trials to run" in client.get_job_logs(sid):
+            trials = _study(tmp_path, "resume").trials
+            if sum(t.state == TrialState.COMPLETE for t in trials) >= 1 and any(
+                t.state == TrialState.RUNNING for t in trials
+            ):
+                break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the first sweep job never had a finished and a running trial")
+    stop = _ray(head, "job", "stop", "--address", head.address, sid, timeout=120)
+    assert stop.returncode == 0, stop.stderr
+    assert _wait(head, sid, timeout=120) == "STOPPED"
+    before = {t.number: t.values for t in _study(tmp_path, "resume").trials if t.state == TrialState.COMPLETE}
+    assert 1 <= len(before) < 3
+
+    sid2 = f"resume-b-{int(time.time())}"
+    _submit(head, config, tmp_path, sid2)
+    status = _wait(head, sid2)
+    logs = _client(head).get_job_logs(sid2)
+    assert status == "SUCCEEDED", logs[-4000:]
+    found = re.search(r"(\d+) complete, (\d+) failed, (\d+) recovered and (\d+) re-queued", logs)
+    assert found, logs[-4000:]
+    complete_now, _, recovered, _ = (int(g) for g in found.groups())
+    assert complete_now - recovered == len(before)  # what finished before the kill is all still there
+
+    trials = _study(tmp_path, "resume").trials
+    complete = {t.number: t.values for t in trials if t.state == TrialState.COMPLETE}
+    assert len(complete) == 3  # exactly the target: nothing repeated beyond it
+    assert all(len(v) == 2 for v in complete.values())  # (speedup, drafting share)
+    assert all(complete[n] == v for n, v in before.items())  # nothing finished was lost or re-run
+    killed = [t for t in trials if t.state == TrialState.FAIL]
+    assert all(t.system_attrs.get("graftblock.killed") for t in killed)
+
+    _, _, runs = _trial_runs(tmp_path, "graftblock-sweep-resume", "resume")
+    finished = [int(r.data.tags[tracking.TRIAL_TAG]) for r in runs if r.info.status == "FINISHED"]
+    assert sorted(finished) == sorted(complete)  # one finished MLflow run per complete trial, no duplicates
+    assert all(r.info.status in ("FINISHED", "KILLED") for r in runs)
