@@ -22,7 +22,11 @@ OUT = ROOT / "BENCHMARKS.md"
 SECTIONS: dict[str, str] = {
     "foundation_specbench_bf16": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (bf16)",
     "foundation_specbench_fp32": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (fp32)",
+    "eagle3_graft_specbench_bf16": "EAGLE-3 tree budgets and the Graft ablation (bf16)",
+    "graft_specbench_fp32": "Graft ablation (fp32)",
     "verify_curve": "Verify cost curve c(T)",
+    "ray_overhead": "Ray actor path: per-step overhead of sharding",
+    "retrieval_scaling": "Retrieval proposal cost against context length",
 }
 
 HEADER = """# Benchmarks
@@ -115,6 +119,57 @@ def render_bench(res: dict) -> list[str]:
     return lines
 
 
+def render_drafter_details(res: dict) -> list[str]:
+    """Per-step drafter statistics (Graft's stages and grafts) and acceptance per depth."""
+    rows = [(n, m) for n, m in res["methods"].items() if m.get("acceptance_per_depth")]
+    if not rows:
+        return []
+    lines = ["", "Acceptance per depth (share of steps whose tree reached depth d that accepted >= d tokens; "
+             "plot: see below) and where accepted tokens came from:", "",
+             "| method | d=1 | d=2 | d=3 | d=4 | d=5 | d=6 | accepted from retrieval | stage shares (0 / pruned / full) "
+             "| grafted nodes/step | drafter nodes/step | assembly µs/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, m in rows:
+        acc = (m.get("acceptance_per_depth") or []) + [None] * 6
+        share = (m.get("accepted_share_by_source") or {}).get("retrieval")
+        st = m.get("drafter_stats") or {}
+        stages = sorted(int(k.split("_")[1]) for k in st if k.startswith("stage_"))
+        shares = " / ".join(f"{_f(st[f'stage_{s}'], 2)}" for s in stages) if stages else "–"
+        asm = st.get("assembly_s")
+        lines.append(
+            f"| {name} | " + " | ".join(_f(a) for a in acc[:6]) + f" | {_f(share, 2)} | {shares} | "
+            f"{_f(st.get('grafted'), 1)} | {_f(st.get('drafter_nodes'), 1)} | "
+            f"{_f(asm * 1e6 if asm is not None else None, 0)} |"
+        )
+    return lines
+
+
+def render_ray_overhead(res: dict) -> list[str]:
+    lines = [f"Model **{res['model']}**, {len(res['prompts'])} prompts x {res['max_new_tokens']} new tokens, "
+             f"{res['threads']} torch threads, OMP_WAIT_POLICY={res.get('omp_wait_policy')}. Milliseconds per "
+             "step (in-process vs over Ray actors with 1 and 2 target shards; overhead = Ray - in-process).", "",
+             "| dtype | path | decode step | retrieval spec step | verify 8 | verify 32 | exact vs in-process |",
+             "|---|---|---|---|---|---|---|"]
+    for dt, r in res["results"].items():
+        for path, ms in r["per_path_ms"].items():
+            over = r.get("overhead_ms", {}).get(path, {})
+            cells = []
+            for key in ("decode_ms", "spec_step_ms", "verify_8_ms", "verify_32_ms"):
+                extra = f" ({over[key]:+.0f})" if key in over else ""
+                cells.append(f"{ms[key]:.0f}{extra}")
+            exact = r.get("exact_vs_local", {}).get(path, "–" if path == "local" else None)
+            lines.append(f"| {dt} | {path} | " + " | ".join(cells) + f" | {_f(exact)} |")
+    return lines
+
+
+def render_scaling(res: dict) -> list[str]:
+    lines = [f"Model **{res['model']}**, {res['steps']} proposals per context length; retrieval config as in the "
+             "JSON.", "", "| context tokens | median ms | p90 ms | mean tree size |", "|---|---|---|---|"]
+    for n, r in sorted(res["results"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {n} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | {r['mean_tree_size']:.1f} |")
+    return lines
+
+
 def render_curve(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**; median seconds of one verify + KV commit over a 256-token context.", ""]
     curves = res["curves"]
@@ -140,10 +195,19 @@ def main() -> int:
         title = SECTIONS.get(path.stem, path.stem.replace("_", " "))
         out += [f"## {title}", "", f"`{_command(res, path)}`", "", _env_line(res), "",
                 f"Raw results: [`{path.relative_to(ROOT)}`]({path.relative_to(ROOT)}).", ""]
-        if res.get("kind") == "verify_curve":
+        kind = res.get("kind")
+        if kind == "verify_curve":
             out += render_curve(res)
+        elif kind == "ray_overhead":
+            out += render_ray_overhead(res)
+        elif kind == "retrieval_scaling":
+            out += render_scaling(res)
         elif "methods" in res:
             out += render_bench(res)
+            if any(m.get("config", {}).get("type") in ("eagle3", "graft") for m in res["methods"].values()):
+                out += render_drafter_details(res)
+        for png in sorted(RESULTS.glob(f"{path.stem}*.png")):
+            out += ["", f"![{png.stem}]({png.relative_to(ROOT)})"]
         note = notes_dir / f"{path.stem}.md"
         if note.exists():
             out += ["", note.read_text().strip()]
