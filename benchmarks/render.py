@@ -126,7 +126,7 @@ def render_drafter_details(res: dict) -> list[str]:
         return []
     lines = ["", "Acceptance per depth (share of steps whose tree reached depth d that accepted >= d tokens; "
              "plot: see below) and where accepted tokens came from:", "",
-             "| method | d=1 | d=2 | d=3 | d=4 | d=5 | d=6 | accepted from retrieval | stage shares (0 / pruned / full) "
+             "| method | d=1 | d=2 | d=3 | d=4 | d=5 | d=6 | accepted from retrieval | steps per stage (stages ascending) "
              "| grafted nodes/step | drafter nodes/step | assembly µs/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in rows:

@@ -153,6 +153,136 @@ class EngineConfig:
         _check_int("engine", "max_new_tokens", self.max_new_tokens, 1, 65536)
 
 
+@dataclass(frozen=True)
+class GraftConfig:
+    """Knobs of Graft (``speculation/graft.py``; ALGORITHMS.md sections 0, 5, 6).
+
+    Per step the EAGLE-3 drafter grows its beam level by level and may stop at each *stage* (a
+    drafter depth) when the beam's path mass ``sum_b exp(S_b)`` falls under ``threshold``; stage 0
+    means "no drafter this step, retrieval only" and is taken when the retrieval tree's expected
+    accepted length ``sum_i p_i`` reaches ``retrieval_confidence``. The pruned tree keeps at most
+    ``N_s`` drafter nodes for the stage it stopped at; retrieved tokens are grafted into the
+    ``dense_budget - 1 - |pruned|`` freed slots (at most ``graft_budget``).
+    """
+
+    AUTO = 0
+    TREE_DRAFTERS = ("eagle3",)
+
+    drafter: str = "eagle3"
+    """The tree drafter Graft prunes (one that can stop early). One of TREE_DRAFTERS."""
+    stages: tuple[int, ...] = (0, 1, 5)
+    """Drafter depths (levels below the root) at which drafting may stop, ascending; 0 = retrieval
+    only. The largest is the dense depth. Each in [0, 33], at least one > 0 unless only (0,)."""
+    threshold: float = 0.3
+    """Stop at a stage when the beam's path mass sum_b exp(S_b) is below this. Range [0, 1]."""
+    retrieval_confidence: float = 3.0
+    """Stage 0 (skip the drafter) when the retrieval tree's expected accepted length sum_i p_i is
+    at least this. Range [0, 1024]; a value above the graft budget never skips."""
+    dense_budget: int = 48
+    """K_max: verified tree size of the dense tree, root included (the size a dense EAGLE-3 tree
+    would have); 0 = choose it per step from the measured c(T) and the drafter's measured
+    acceptance by rank (the T maximising expected accepted tokens per second). Range 0 or [2, 1024]."""
+    stage_budgets: tuple[int, ...] = ()
+    """Drafter nodes kept at each stage, one per stage (stage 0's must be 0); empty = derived:
+    N_s = min(K_max - 1, max(top_k, ceil((K_max - 1) * s / max_stage)))."""
+    graft_budget: int = 16
+    """Most retrieved nodes grafted per step (and never beyond the freed slots). Range [0, 1024]."""
+    top_k: int = 8
+    """EAGLE-3 beam width and children per expanded node. Range [1, 64]."""
+    checkpoint: str = "auto"
+    """EAGLE-3 checkpoint: ``auto`` | ``random`` | a path (see Eagle3Config.checkpoint)."""
+    draft_vocab_size: int = 8192
+    """Draft vocabulary of a ``random`` head. Range [1, 1048576]."""
+    seed: int = 0
+    """Initialisation seed of a ``random`` head. Range >= 0."""
+    min_match_len: int = 1
+    """Retrieval: shortest suffix match that may propose. Range [1, max_match_len]."""
+    max_match_len: int = 16
+    """Retrieval: longest context suffix matched. Range [1, 64]."""
+    retrieval_budget: int = 24
+    """Retrieval candidates proposed per step (before grafting dedups them). Range [1, 512]."""
+    transition_topk: int = 4
+    """Retrieval: successors kept per token in the adjacency table (0 = off). Range [0, 16]."""
+
+    AUTO_MAX = 128
+    """Largest K_max the automatic choice considers."""
+
+    def __post_init__(self) -> None:
+        o = "graft"
+        if self.drafter not in self.TREE_DRAFTERS:
+            raise ConfigError(f"{o}.drafter must be one of {list(self.TREE_DRAFTERS)}, got {self.drafter!r}")
+        stages = self.stages
+        if isinstance(stages, (int, float)) or not isinstance(stages, (list, tuple)) or not stages:
+            raise ConfigError(f"{o}.stages must be a non-empty list of depths, e.g. [0, 1, 5], got {stages!r}")
+        for s in stages:
+            _check_int(o, "stages[]", s, 0, 33)
+        if list(stages) != sorted(set(stages)):
+            raise ConfigError(f"{o}.stages must be strictly ascending without repeats, got {list(stages)}")
+        object.__setattr__(self, "stages", tuple(stages))
+        _check_float(o, "threshold", self.threshold, 0.0, 1.0)
+        _check_float(o, "retrieval_confidence", self.retrieval_confidence, 0.0, 1024.0)
+        _check_int(o, "dense_budget", self.dense_budget, 0, 1024)
+        if self.dense_budget == 1:
+            raise ConfigError(f"{o}.dense_budget must be 0 (auto) or in [2, 1024], got 1")
+        _check_int(o, "graft_budget", self.graft_budget, 0, 1024)
+        _check_int(o, "top_k", self.top_k, 1, 64)
+        _check_int(o, "draft_vocab_size", self.draft_vocab_size, 1, 1 << 20)
+        _check_int(o, "seed", self.seed, 0)
+        _check_int(o, "max_match_len", self.max_match_len, 1, 64)
+        _check_int(o, "min_match_len", self.min_match_len, 1, self.max_match_len)
+        _check_int(o, "retrieval_budget", self.retrieval_budget, 1, 512)
+        _check_int(o, "transition_topk", self.transition_topk, 0, 16)
+        budgets = tuple(self.stage_budgets or ())
+        if budgets:
+            if len(budgets) != len(self.stages):
+                raise ConfigError(
+                    f"{o}.stage_budgets needs one entry per stage ({len(self.stages)} for {list(self.stages)}), "
+                    f"got {list(budgets)}"
+                )
+            for s, n in zip(self.stages, budgets):
+                _check_int(o, f"stage_budgets[stage {s}]", n, 0, 1024)
+                if (s == 0) != (n == 0):
+                    raise ConfigError(f"{o}.stage_budgets: stage {s} must keep {'0' if s == 0 else '>= 1'} nodes, got {n}")
+        object.__setattr__(self, "stage_budgets", budgets)
+        if not isinstance(self.checkpoint, str) or not self.checkpoint.strip():
+            raise ConfigError(f"{o}.checkpoint must be 'auto', 'random' or a path, got {self.checkpoint!r}")
+
+    @property
+    def max_stage(self) -> int:
+        return self.stages[-1]
+
+    @property
+    def cost_aware(self) -> bool:
+        """Automatic K_max needs the measured verify curve c(T)."""
+        return self.dense_budget == self.AUTO
+
+    @property
+    def budget(self) -> int:
+        """Largest number of draft nodes (root excluded) a step can verify."""
+        return (self.dense_budget or self.AUTO_MAX) - 1
+
+    def stage_budget(self, stage: int, k_max: int) -> int:
+        """N_s: drafter nodes kept when drafting stopped at ``stage`` (tree size ``k_max``)."""
+        if stage == 0:
+            return 0
+        if self.stage_budgets:
+            return min(k_max - 1, self.stage_budgets[self.stages.index(stage)])
+        return min(k_max - 1, max(self.top_k, math.ceil((k_max - 1) * stage / self.max_stage)))
+
+    def eagle3(self, total_tokens: int) -> "Eagle3Config":
+        """The drafter's config for a dense tree of ``total_tokens`` (depth = max stage - 1)."""
+        depth = max(1, self.max_stage - 1)
+        pool = self.top_k + depth * self.top_k**2
+        return Eagle3Config(total_tokens=min(total_tokens, pool + 1), depth=depth, top_k=self.top_k,
+                            checkpoint=self.checkpoint, draft_vocab_size=self.draft_vocab_size, seed=self.seed)
+
+    def retrieval(self) -> RetrievalConfig:
+        """The retrieval source's config: no cost cut of its own (the hybrid tree is sized here)."""
+        return RetrievalConfig(budget=self.retrieval_budget, min_match_len=self.min_match_len,
+                               max_match_len=self.max_match_len, transition_topk=self.transition_topk,
+                               transition_width=min(2, max(1, self.transition_topk)), cost_aware=False)
+
+
 T = TypeVar("T")
 
 

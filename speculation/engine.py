@@ -20,7 +20,7 @@ import torch
 
 from speculation import verify as V
 from speculation.config import EngineConfig, SamplingConfig
-from speculation.drafters.base import DraftContext, Drafter, StepOutcome
+from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
 from speculation.target import TargetState, TreeForward
 from speculation.tree import DraftTree, NodeSource
 
@@ -57,6 +57,7 @@ class StepRecord:
         tree_depth: depth of the verified tree.
         accepted_by_source: accepted draft tokens per :class:`NodeSource` name.
         drafted_by_source: drafted nodes per :class:`NodeSource` name.
+        stats: the drafter's per-step numbers (:attr:`Proposal.stats`).
     """
 
     drafted: int
@@ -69,6 +70,7 @@ class StepRecord:
     tree_depth: int
     accepted_by_source: dict[str, int]
     drafted_by_source: dict[str, int]
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -189,11 +191,12 @@ def generate_speculative(
         td = time.perf_counter()
         if feedback is not None:
             feedback(ctx, outcome)
-        steps.append(_record(tree, res, proposal.drafter_forwards, len(out) - before, (tb - ta) + (td - tc), tc - tb))
+        steps.append(_record(tree, res, proposal, len(out) - before, (tb - ta) + (td - tc), tc - tb))
     return GenerationResult(tokens=out, wall_s=time.perf_counter() - t0, prefill_s=prefill_s, steps=steps)
 
 
-def _record(tree: DraftTree, res: V.VerifyResult, forwards: int, gained: int, draft_s: float, verify_s: float) -> StepRecord:
+def _record(tree: DraftTree, res: V.VerifyResult, proposal: Proposal, gained: int, draft_s: float,
+            verify_s: float) -> StepRecord:
     acc_src: dict[str, int] = {}
     for a in res.accepted[1:]:
         name = NodeSource(tree.sources[a]).name.lower()
@@ -209,8 +212,9 @@ def _record(tree: DraftTree, res: V.VerifyResult, forwards: int, gained: int, dr
         tokens_gained=gained,
         drafting_s=draft_s,
         verify_s=verify_s,
-        drafter_forwards=forwards,
+        drafter_forwards=proposal.drafter_forwards,
         tree_depth=tree.max_depth(),
         accepted_by_source=acc_src,
         drafted_by_source=dr_src,
+        stats=dict(proposal.stats),
     )

@@ -67,11 +67,13 @@ class Knob:
         if self.kind == KnobKind.CATEGORICAL:
             if not self.choices:
                 raise ConfigError(f"{where}: categorical knob needs a non-empty 'choices' list")
-            bad = [c for c in self.choices if not isinstance(c, _SCALAR)]
+            bad = [c for c in self.choices if not _is_choice(c)]
             if bad:
                 raise ConfigError(
-                    f"{where}: choices must be scalars (int, float, str, bool, null), got {bad}"
+                    f"{where}: choices must be scalars (int, float, str, bool, null) or lists of scalars "
+                    f"(e.g. graft stages [0, 1, 5]), got {bad}"
                 )
+            object.__setattr__(self, "choices", tuple(tuple(c) if isinstance(c, list) else c for c in self.choices))
             if self.low is not None or self.high is not None or self.log or self.step is not None:
                 raise ConfigError(f"{where}: categorical knob takes only 'choices'")
             return
@@ -107,7 +109,19 @@ class Knob:
             )
         if self.kind == KnobKind.FLOAT:
             return trial.suggest_float(self.name, float(self.low), float(self.high), log=self.log)
+        if any(isinstance(c, tuple) for c in self.choices):
+            # Optuna stores scalar choices only: a list choice is stored as its label "[0, 1, 5]".
+            labels = {_label(c): c for c in self.choices}
+            return labels[trial.suggest_categorical(self.name, list(labels))]
         return trial.suggest_categorical(self.name, list(self.choices))
+
+
+def _is_choice(c: Any) -> bool:
+    return isinstance(c, _SCALAR) or (isinstance(c, (list, tuple)) and all(isinstance(x, _SCALAR) for x in c))
+
+
+def _label(c: Any) -> Any:
+    return f"[{', '.join(str(x) for x in c)}]" if isinstance(c, tuple) else c
 
 
 _KNOB_KEYS = {"type", "low", "high", "log", "step", "choices"}
@@ -169,6 +183,8 @@ class SearchSpace:
 
     def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """The full method config (defaults, then fixed, then ``params``) as a plain dict."""
+        labels = {k.name: {_label(c): c for c in k.choices} for k in self.knobs if k.kind == KnobKind.CATEGORICAL}
+        params = {n: labels.get(n, {}).get(v, v) if isinstance(v, str) else v for n, v in params.items()}
         cfg = from_dict(self.config_class, {**self.fixed, **params}, where=f"sweep.{self.method.name}")
         return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 

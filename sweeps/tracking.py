@@ -88,6 +88,8 @@ def bench_metrics(result: Mapping[str, Any]) -> dict[str, float]:
                 out[f"{name}.{key}"] = float(v)
         if isinstance(m.get("lossless"), bool):
             out[f"{name}.lossless"] = float(m["lossless"])
+        for key, v in (m.get("drafter_stats") or {}).items():  # e.g. graft: stage shares, grafted nodes
+            out[f"{name}.stats.{key}"] = float(v)
         for cat, pc in (m.get("per_category") or {}).items():
             for key in ("speedup", "tau", "tokens_per_s", "mean_tree_size"):
                 v = pc.get(key)

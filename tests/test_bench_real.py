@@ -10,13 +10,11 @@ import json
 import os
 
 import pytest
-import torch
 
 from cluster.cli import main as cli_main
 from speculation import assets
 from speculation.bench.runner import run_bench
 from speculation.config import BenchConfig
-from speculation.target import TargetModel
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +22,6 @@ REQUIRED_METHOD_KEYS = {
     "speedup", "tau", "tokens_per_s", "drafting_share", "mean_tree_size", "drafter_forwards_per_step",
     "drafting_s_per_step", "verify_s_per_step", "lossless", "per_category", "config",
 }
-
-
-@pytest.fixture(scope="module")
-def smol_fp32() -> TargetModel:
-    model, tok = assets.load_model_and_tokenizer("smollm2-135m", torch.float32)
-    return TargetModel(model, tok)
 
 
 def test_retrieval_is_lossless_on_spec_bench_fp32(smol_fp32):

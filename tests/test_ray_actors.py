@@ -5,8 +5,10 @@ Real Ray (one local cluster per session, 2 CPUs), real actors: sharded target
 ``speculation.engine`` loops through ``RayTargetBackend`` / ``RayDrafterProxy``.
 
 * tiny random Llama (fp32, 1 and 2 shards): retrieval drafter (fixed and cost-aware trees),
+  a random EAGLE-3 head (aux hidden states from the shards),
   vanilla, aux hidden states, KV compaction with moved rows (an oracle drafter), weight swaps;
-* real SmolLM2-135M (fp32, 2 shards, 2 prompts, 32 tokens): marked ``slow``;
+* real SmolLM2-135M (fp32, 2 shards, 2 prompts, 32 tokens; retrieval and the trained EAGLE-3
+  checkpoint): marked ``slow``;
 * bad input: more shards than layers, more resources than the cluster has.
 
 Runtime: ~40 s for the tiny tests, ~30 s more for SmolLM2 (2 CPUs).
@@ -82,6 +84,21 @@ def test_tiny_ray_equals_single_process(deployments, tiny, n_shards):
             assert generate_vanilla(dep.backend, prompt, ENGINE).tokens == vanilla == ref.tokens
             # Cost-aware trees depend on timings measured over the actors; output must not.
             assert generate_speculative(dep.backend, dep.drafter(costed), prompt, ENGINE).tokens == vanilla
+
+
+@pytest.mark.parametrize("n_shards", [1, 2])
+def test_tiny_ray_eagle3_equals_single_process(deployments, tiny, n_shards):
+    """A feature drafter (random EAGLE-3 head) reads aux hidden states gathered from the shards."""
+    spec = resolve_methods(["eagle3"], {"eagle3": {"checkpoint": "random", "draft_vocab_size": 48,
+                                                   "total_tokens": 12, "depth": 3, "top_k": 3}})[0]
+    dep = deployments[n_shards]
+    with single_thread():
+        for prompt in _prompts(n_shards + 10):
+            ref = generate_speculative(tiny, build_drafter(spec, tiny), prompt, ENGINE)
+            got = generate_speculative(dep.backend, dep.host_drafter("eagle3", build_drafter(spec, tiny)), prompt,
+                                       ENGINE)
+            assert got.tokens == ref.tokens == generate_vanilla(tiny, prompt, ENGINE).tokens
+            assert [(s.tree_size, s.accepted) for s in got.steps] == [(s.tree_size, s.accepted) for s in ref.steps]
 
 
 def test_tiny_ray_aux_and_moved_kv_rows(deployments, tiny_model_dir, tiny):  # noqa: F811
@@ -191,13 +208,15 @@ def test_resources_the_cluster_lacks_fail_fast(ray_local, tiny_model_dir):  # no
 
 @pytest.mark.slow
 def test_smollm2_two_shards_equal_single_process(ray_local):  # noqa: F811
-    """Real weights: 2 shards over Ray reproduce the in-process engine (fp32, 2 prompts, 32 tokens)."""
+    """Real weights: 2 shards over Ray reproduce the in-process engine (fp32, 2 prompts, 32 tokens),
+    for the retrieval drafter and the trained EAGLE-3 checkpoint."""
     from speculation import assets
     from speculation.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer("smollm2-135m", torch.float32)
     target = TargetModel(model, tok)
-    spec = resolve_methods(["retrieval"], {"retrieval": {"cost_aware": False}})[0]
+    specs = resolve_methods(["retrieval", "eagle3"], {"retrieval": {"cost_aware": False},
+                                                      "eagle3": {"total_tokens": 24}})
     engine = EngineConfig(max_new_tokens=32)
     prompts = [
         "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry.",
@@ -213,7 +232,9 @@ def test_smollm2_two_shards_equal_single_process(ray_local):  # noqa: F811
     ) as dep:
         for text in prompts:
             ids = assets.encode_turn(tok, [], text)
-            ref = generate_speculative(target, build_drafter(spec, target), ids, engine)
-            got = generate_speculative(dep.backend, dep.drafter(spec), ids, engine)
-            assert got.tokens == ref.tokens == generate_vanilla(target, ids, engine).tokens
-            assert [s.tree_size for s in got.steps] == [s.tree_size for s in ref.steps]
+            vanilla = generate_vanilla(target, ids, engine).tokens
+            for spec in specs:  # retrieval, and the committed trained EAGLE-3 checkpoint
+                ref = generate_speculative(target, build_drafter(spec, target), ids, engine)
+                got = generate_speculative(dep.backend, dep.drafter(spec), ids, engine)
+                assert got.tokens == ref.tokens == vanilla, spec.name
+                assert [s.tree_size for s in got.steps] == [s.tree_size for s in ref.steps], spec.name

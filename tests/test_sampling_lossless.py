@@ -7,7 +7,7 @@ with plain full forwards and :func:`speculation.verify.target_probs` gives the E
 distribution ``p*`` of the first ``K = 3`` generated tokens (about 120 sequences have mass).
 
 Each decoding loop under test (vanilla; speculative with random multi-branch trees; speculative
-with the retrieval drafter; with a random EAGLE-3 head) draws ``N = 2000`` independent 3-token continuations of one prompt,
+with the retrieval drafter; with a random EAGLE-3 head; with Graft over it) draws ``N = 2000`` independent 3-token continuations of one prompt,
 every sample with its own ``SamplingConfig.seed``.
 
 * Null hypothesis H0: the samples are i.i.d. draws from ``p*`` (the loop is lossless).
@@ -43,10 +43,11 @@ import pytest
 import torch
 
 from speculation import verify as V
-from speculation.config import Eagle3Config, EngineConfig, RetrievalConfig, SamplingConfig
+from speculation.config import Eagle3Config, EngineConfig, GraftConfig, RetrievalConfig, SamplingConfig
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.engine import generate_speculative, generate_vanilla
+from speculation.graft import build_graft_drafter
 from speculation.tree import ROOT, DraftTree
 from tests.helpers import RandomTreeDrafter, full_logits, shared_tiny_llama, tiny_target
 
@@ -210,11 +211,19 @@ def _eagle3_drafter(target):
     return build_eagle3_drafter(cfg, target)
 
 
+def _graft_drafter(target):
+    """Graft over a random EAGLE-3 head, with settings that mix all three stages (0, 1, 3)."""
+    cfg = GraftConfig(stages=(0, 1, 3), threshold=0.6, retrieval_confidence=1.0, dense_budget=10, graft_budget=4,
+                      top_k=3, checkpoint="random", draft_vocab_size=VOCAB)
+    return build_graft_drafter(cfg, target)
+
+
 # Every tree drafter on main is listed here; a new drafter adds its factory.
 DRAFTERS = {
     "random_tree": _random_tree_drafter,
     "retrieval": _retrieval_drafter,
     "eagle3": _eagle3_drafter,
+    "graft": _graft_drafter,
 }
 
 

@@ -22,7 +22,7 @@ def _write(tmp_path, data) -> Path:
     return p
 
 
-@pytest.mark.parametrize("name", ["sweep_smoke.yaml", "sweep_retrieval.yaml"])
+@pytest.mark.parametrize("name", ["sweep_smoke.yaml", "sweep_retrieval.yaml", "sweep_graft.yaml"])
 def test_shipped_sweep_configs_load(name):
     cfg = load_sweep_config(REPO / "ray_configs" / name)
     assert cfg.search_space().knobs
@@ -145,6 +145,27 @@ def test_define_by_run_samples_inside_the_space():
         assert 4 <= resolved["budget"] <= 32 and resolved["transition_topk"] in (2, 4)
         assert resolved["cost_aware"] is False
         study.tell(trial, 1.0)
+
+
+def test_list_valued_choices_round_trip_through_optuna():
+    """Graft's prune stages are lists: Optuna stores their labels, resolve() maps them back."""
+    space = build_space("graft", {"stages": {"type": "categorical", "choices": [[0, 1, 5], [1, 5], [0]]},
+                                  "threshold": {"type": "float", "low": 0.1, "high": 0.9}})
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(15):
+        trial = study.ask()
+        space.define_by_run(trial)
+        assert trial.params["stages"] in ("[0, 1, 5]", "[1, 5]", "[0]")
+        stages = space.resolve(trial.params)["stages"]
+        assert stages in ((0, 1, 5), (1, 5), (0,))
+        seen.add(stages)
+        study.tell(trial, 1.0)
+    assert len(seen) > 1
+    with pytest.raises(ConfigError, match="graft.stages must be strictly ascending"):
+        build_space("graft", {"stages": {"type": "categorical", "choices": [[0, 1], [5, 1]]}})
+    with pytest.raises(ConfigError, match="lists of scalars"):
+        build_space("graft", {"stages": {"type": "categorical", "choices": [[[0]]]}})
 
 
 def test_objectives():

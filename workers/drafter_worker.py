@@ -18,7 +18,6 @@ distributed target, which is what they will really pay), not from a local target
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,11 +65,8 @@ def build_without_cost_model(spec: MethodSpec, target: Any, cost_model: VerifyCo
     The distributed path measures c(T) over the actors (what the drafter will really pay), so
     the in-process measurement ``build_drafter`` does for cost-aware configs is skipped.
     """
-    cfg = spec.config
-    cost_aware = bool(getattr(cfg, "cost_aware", False))
-    if cost_aware:
-        spec = dataclasses.replace(spec, config=dataclasses.replace(cfg, cost_aware=False))
-    drafter = build_drafter(spec, target)
+    cost_aware = bool(getattr(spec.config, "cost_aware", False))
+    drafter = build_drafter(spec, target, measure_cost=False)
     if drafter is None:
         raise ValueError(f"method {spec.name!r} is vanilla: there is no drafter to host")
     if cost_aware and cost_model is not None:

@@ -91,6 +91,7 @@ def summarize(runs: list[TurnRun]) -> dict:
                 if accepted_total
                 else {},
                 "drafted_per_step_by_source": {k: v / n for k, v in sorted(drafted_source.items())},
+                "drafter_stats": _mean_stats(steps),
             }
         )
     else:
@@ -99,6 +100,17 @@ def summarize(runs: list[TurnRun]) -> dict:
     checked = [r.matches_vanilla for r in runs if r.matches_vanilla is not None]
     out["match_rate"] = sum(checked) / len(checked) if checked else None
     return out
+
+
+def _mean_stats(steps) -> dict[str, float]:
+    """Mean of each per-step drafter statistic over the steps that report it."""
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for s in steps:
+        for k, v in s.stats.items():
+            sums[k] += float(v)
+            counts[k] += 1
+    return {k: sums[k] / counts[k] for k in sorted(sums)}
 
 
 def summarize_with_speedup(method: MethodRuns, baseline: MethodRuns) -> dict:

@@ -185,6 +185,9 @@ def run_bench(
             continue
         summary["lossless"] = True if r.name == BASELINE else _lossless(summary, cfg)
         summary["config"] = {"type": r.spec.type.value, **r.spec.config_dict()}
+        report = getattr(r.drafter, "report", None)
+        if callable(report):  # e.g. Graft: the chosen dense budget and why
+            summary["drafter_report"] = report()
         out["methods"][r.name] = summary
     return out
 

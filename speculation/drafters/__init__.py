@@ -5,6 +5,7 @@ sweeps refer to methods by name; a YAML config may define variants::
 
     retrieval:            {budget: 24}
     retrieval_small:      {type: retrieval, budget: 8}
+    graft:                {stages: [0, 1, 5], threshold: 0.3, graft_budget: 16}
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from speculation.config import ConfigError, Eagle3Config, RetrievalConfig, from_dict, to_dict
+from speculation.config import ConfigError, Eagle3Config, GraftConfig, RetrievalConfig, from_dict, to_dict
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
@@ -37,18 +38,27 @@ class DrafterType(str, enum.Enum):
     VANILLA = "vanilla"
     RETRIEVAL = "retrieval"
     EAGLE3 = "eagle3"
+    GRAFT = "graft"
 
 
 _CONFIGS: dict[DrafterType, type | None] = {
     DrafterType.VANILLA: None,
     DrafterType.RETRIEVAL: RetrievalConfig,
     DrafterType.EAGLE3: Eagle3Config,
+    DrafterType.GRAFT: GraftConfig,
 }
 
 _BUILDERS: dict[DrafterType, Callable[[Any, Any], Drafter]] = {
     DrafterType.RETRIEVAL: lambda cfg, target: RetrievalDrafter(cfg, target.vocab_size),
     DrafterType.EAGLE3: build_eagle3_drafter,
+    DrafterType.GRAFT: lambda cfg, target: _build_graft(cfg, target),
 }
+
+
+def _build_graft(cfg: GraftConfig, target: Any) -> Drafter:
+    from speculation.graft import build_graft_drafter  # speculation.graft imports this package
+
+    return build_graft_drafter(cfg, target)
 
 
 @dataclass(frozen=True)
@@ -89,15 +99,17 @@ def resolve_methods(names: list[str], configs: Mapping[str, Mapping[str, Any]] |
     return specs
 
 
-def build_drafter(spec: MethodSpec, target: Any) -> Drafter | None:
+def build_drafter(spec: MethodSpec, target: Any, measure_cost: bool = True) -> Drafter | None:
     """A fresh drafter for ``spec`` (None for vanilla).
 
-    A cost-aware drafter gets the target's measured verify curve (measured once per target).
+    A cost-aware drafter (its config's ``cost_aware`` is true) gets the target's measured verify
+    curve (measured once per target) unless ``measure_cost`` is False: the distributed path
+    measures c(T) over the actors instead and sets ``cost_model`` itself.
     """
     if spec.type == DrafterType.VANILLA:
         return None
     drafter = _BUILDERS[spec.type](spec.config, target)
-    if getattr(spec.config, "cost_aware", False) and hasattr(drafter, "cost_model"):
+    if measure_cost and getattr(spec.config, "cost_aware", False) and hasattr(drafter, "cost_model"):
         from speculation.cost import measure_cost_model
 
         drafter.cost_model = measure_cost_model(target, max_size=spec.config.budget + 1)

@@ -9,7 +9,8 @@ drafter asks for it, the target's top-k at every verified node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -43,10 +44,13 @@ class Proposal:
     Attributes:
         tree: the candidate tree (node 0 = the pending root).
         drafter_forwards: neural drafter forward passes spent on it (0 for retrieval).
+        stats: optional per-step numbers the drafter reports (e.g. Graft's stage and grafted
+            nodes); the engine copies them into the step record and the bench averages them.
     """
 
     tree: DraftTree
     drafter_forwards: int = 0
+    stats: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -95,4 +99,23 @@ class Drafter(Protocol):
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
         """Learn from a verification result; ``ctx.tokens`` already includes the accepted tokens."""
+        ...
+
+
+StopRule = Callable[[int, torch.Tensor], bool]
+"""``stop(levels drafted so far, beam cumulative log-probs [k]) -> stop drafting here?``"""
+
+
+@runtime_checkable
+class StagedDrafter(Drafter, Protocol):
+    """A tree drafter that can stop growing its tree early: what Graft prunes and grafts onto.
+
+    ``draft`` grows the tree level by level, asking ``stop`` before each further level, keeps the
+    ``budget`` best nodes (``budget`` may depend on the levels drafted) and returns
+    ``(tree, drafter forwards, levels drafted)``.
+    """
+
+    def draft(
+        self, ctx: DraftContext, budget: int | Callable[[int], int], stop: StopRule | None = None
+    ) -> tuple[DraftTree, int, int]:
         ...

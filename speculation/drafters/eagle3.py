@@ -23,13 +23,13 @@ from __future__ import annotations
 import copy
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from speculation.config import Eagle3Config
-from speculation.drafters.base import DraftContext, Proposal, StepOutcome
+from speculation.drafters.base import DraftContext, Proposal, StepOutcome, StopRule
 from speculation.drafters.eagle3_checkpoint import (
     CheckpointError,
     TargetFingerprint,
@@ -109,6 +109,16 @@ class Eagle3Drafter:
         self._last_logp: torch.Tensor | None = None  # [N_d] fp32
         self._lock = threading.Lock()  # a swap never lands in the middle of a propose
 
+    def __getstate__(self) -> dict:
+        """Picklable (shipped to a DrafterWorker): the lock is per process, recreated on load."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # ------------------------------------------------------------------ properties
     @property
     def arch(self) -> Eagle3Arch:
@@ -164,8 +174,21 @@ class Eagle3Drafter:
             raise ValueError(f"aux rows {outcome.aux_hidden.shape[0]} != accepted nodes {len(outcome.accepted)}")
         self._append_aux(outcome.aux_hidden)
 
-    @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Proposal:
+        tree, forwards, _ = self.draft(ctx, self.config.total_tokens - 1)
+        return Proposal(tree=tree, drafter_forwards=forwards)
+
+    @torch.inference_mode()
+    def draft(
+        self, ctx: DraftContext, budget: int | Callable[[int], int], stop: StopRule | None = None
+    ) -> tuple[DraftTree, int, int]:
+        """Grow the beam, stopping early where ``stop`` says so; keep the ``budget`` best nodes.
+
+        ``budget`` may depend on the levels drafted (a callable ``levels -> nodes``).
+        ``stop(levels, beam_scores)`` is asked before each expansion with the number of levels
+        drafted so far and the beam's cumulative log-probs ``[k]``; True ends drafting there
+        (dynamic-depth pruning). Returns ``(tree, drafter forwards, levels drafted)``.
+        """
         if self._n_pairs != len(ctx.tokens) - 1:
             raise RuntimeError(
                 f"eagle3 drafter holds {self._n_pairs} feature rows for a context of {len(ctx.tokens)} tokens "
@@ -176,8 +199,10 @@ class Eagle3Drafter:
             if self._encoded < self._n_pairs:
                 self._encode(ctx.tokens)
                 forwards += 1
-            tree = self._grow(ctx.root_token)
-        return Proposal(tree=tree, drafter_forwards=forwards + self.config.depth)
+            pool, expansions = self._grow(stop)
+            keep = budget(expansions + 1) if callable(budget) else budget
+            tree = build_draft_tree(ctx.root_token, pool, select_top(pool, keep), self._draft_ids)
+        return tree, forwards + expansions, expansions + 1
 
     # ------------------------------------------------------------------ internals
     def _check_aux(self, aux: torch.Tensor) -> None:
@@ -217,8 +242,8 @@ class Eagle3Drafter:
         self._encoded = n1
         self.cache.length = n1
 
-    def _grow(self, root_token: int) -> DraftTree:
-        """Beam expansion over ``depth`` levels, then the rerank to ``total_tokens - 1`` nodes."""
+    def _grow(self, stop: StopRule | None = None) -> tuple[CandidatePool, int]:
+        """Beam expansion over up to ``depth`` levels; returns the pool and the expansions run."""
         cfg, m = self.config, self.model
         n = self._encoded
         assert self._last_logp is not None and self._last_y is not None
@@ -232,7 +257,11 @@ class Eagle3Drafter:
         anc = torch.zeros(k, k * cfg.depth, dtype=torch.bool)  # ancestor-or-self over scratch rows
         anc[:, :k] = torch.eye(k, dtype=torch.bool)
         rows = torch.arange(k)
+        expansions = 0
         for level in range(cfg.depth):
+            if stop is not None and stop(level + 1, beam_score):
+                break
+            expansions += 1
             width = (level + 1) * k
             e = self._embed(self._draft_ids[beam_tok])[None]  # [1, k, H]
             q, kk, vv = m.qkv(e, beam_hidden[None], torch.full((k,), n + level, dtype=torch.long))
@@ -257,8 +286,7 @@ class Eagle3Drafter:
             beam_pool = start + sel
             anc = anc[parent].clone()
             anc[rows, width + rows] = True
-        keep = select_top(pool, cfg.total_tokens - 1)
-        return build_draft_tree(root_token, pool, keep, self._draft_ids)
+        return pool, expansions
 
 
 # ---------------------------------------------------------------------- construction

@@ -1,0 +1,104 @@
+"""Plots committed next to the bench results (PNG, matplotlib, from the JSON only).
+
+    .venv/bin/python benchmarks/plots.py benchmarks/results/eagle3_graft_specbench_bf16.json
+    .venv/bin/python benchmarks/plots.py --tau-curve checkpoints/eagle3-smollm2-135m/manifest.json
+
+For a bench JSON it writes ``<stem>_pareto.png`` (speedup against mean verified tree size, one
+point per method, the Pareto front joined) and ``<stem>_acceptance.png`` (acceptance per depth
+of every tree method). For a drafter manifest it writes ``<stem>_tau_curve.png`` under
+``benchmarks/results/`` (held-out tau against training tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from sweeps.compare import pareto_front  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def plot_bench(path: Path) -> list[Path]:
+    res = json.loads(path.read_text())
+    methods = {n: m for n, m in res["methods"].items() if n != "vanilla" and m.get("mean_tree_size")}
+    title = f"{res['model']} {res['dtype']}, {res['dataset']} ({res['n_turns']} turns x {res['max_new_tokens']} tok)"
+    names = list(methods)
+    pts = [(methods[n]["mean_tree_size"], methods[n]["speedup"]) for n in names]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:blue")
+    for n, (x, y) in zip(names, pts):
+        ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    front = sorted(pareto_front(pts), key=lambda i: pts[i][0])
+    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], color="tab:red", lw=1, label="Pareto front")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--", label="vanilla")
+    ax.set_xlabel("mean verified tree size (tokens per step)")
+    ax.set_ylabel("speedup over vanilla")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    pareto = path.with_name(f"{path.stem}_pareto.png")
+    fig.savefig(pareto, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for n, m in methods.items():
+        acc = m.get("acceptance_per_depth") or []
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, label=n)
+    ax.set_xlabel("depth d")
+    ax.set_ylabel("P(accepted >= d | tree reached d)")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    acceptance = path.with_name(f"{path.stem}_acceptance.png")
+    fig.savefig(acceptance, dpi=110)
+    plt.close(fig)
+    return [pareto, acceptance]
+
+
+def plot_tau_curve(manifest: Path) -> Path:
+    m = json.loads(manifest.read_text())
+    curve = m.get("tau_curve") or []
+    if not curve:
+        raise SystemExit(f"{manifest}: no tau_curve in the manifest")
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    ax.plot([c["tokens"] for c in curve], [c["tau"] for c in curve], marker="o", label="held-out tau")
+    ax2 = ax.twinx()
+    ax2.plot([c["tokens"] for c in curve], [c.get("acc_0") for c in curve], marker="s", color="tab:orange",
+             label="held-out top-1 acc (step 0)")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("tau (tokens per step)")
+    ax2.set_ylabel("top-1 accuracy")
+    ax.set_title(f"EAGLE-3 for {m['target']['name']}: eval tree {m['training']['config'].get('eval_tree')}", fontsize=9)
+    fig.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out = RESULTS / f"{manifest.parent.name}_tau_curve.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench_json", nargs="*", type=Path)
+    ap.add_argument("--tau-curve", type=Path, help="a drafter checkpoint manifest.json")
+    args = ap.parse_args(argv)
+    written = [p for path in args.bench_json for p in plot_bench(path)]
+    if args.tau_curve:
+        written.append(plot_tau_curve(args.tau_curve))
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
