@@ -244,3 +244,22 @@ def assert_lossless_on_refs(target: TargetModel, drafter, refs, max_new_tokens: 
         gained += sum(s.tokens_gained for s in res.steps)
         steps += len(res.steps)
     return gained / steps
+
+
+class RecordingDrafter:
+    """Wraps a drafter and keeps every proposal it makes (the engine sees the wrapped drafter)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.proposals = inner, []
+        self.name, self.needs_aux, self.target_topk = inner.name, inner.needs_aux, inner.target_topk
+
+    def begin(self, ctx, aux) -> None:
+        self.inner.begin(ctx, aux)
+
+    def observe(self, ctx, outcome) -> None:
+        self.inner.observe(ctx, outcome)
+
+    def propose(self, ctx):
+        p = self.inner.propose(ctx)
+        self.proposals.append(p)
+        return p

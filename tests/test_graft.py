@@ -22,7 +22,7 @@ from speculation.drafters.base import DraftContext, StepOutcome
 from speculation.engine import generate_speculative, generate_vanilla
 from speculation.graft import GraftDrafter, RankAcceptance, graft
 from speculation.tree import ROOT, DraftTree, NodeSource
-from tests.helpers import shared_tiny_llama, tiny_target
+from tests.helpers import RecordingDrafter, shared_tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,25 +39,6 @@ def _target():
 def _drafter(target, **kw) -> GraftDrafter:
     spec = resolve_methods(["graft"], {"graft": {**TINY, **kw}})[0]
     return build_drafter(spec, target)
-
-
-class Recorder:
-    """Wraps a drafter and keeps every proposal (the engine sees the wrapped drafter)."""
-
-    def __init__(self, inner: GraftDrafter) -> None:
-        self.inner, self.proposals = inner, []
-        self.name, self.needs_aux, self.target_topk = inner.name, inner.needs_aux, inner.target_topk
-
-    def begin(self, ctx, aux):
-        self.inner.begin(ctx, aux)
-
-    def observe(self, ctx, outcome):
-        self.inner.observe(ctx, outcome)
-
-    def propose(self, ctx):
-        p = self.inner.propose(ctx)
-        self.proposals.append(p)
-        return p
 
 
 # ---------------------------------------------------------------------- graft() on hand-made trees
@@ -134,7 +115,7 @@ def test_graft_invariants_on_random_trees(seed, room):
 )
 def test_greedy_equals_vanilla_for_every_stage_setting(kw):
     target = _target()
-    drafter = Recorder(_drafter(target, **kw))
+    drafter = RecordingDrafter(_drafter(target, **kw))
     for prompt in PROMPTS:
         assert generate_speculative(target, drafter, prompt, GREEDY).tokens == generate_vanilla(target, prompt, GREEDY).tokens
     cfg = drafter.inner.config
@@ -158,7 +139,7 @@ def test_stage_decisions_follow_the_threshold_and_count_forwards():
     prompt = PROMPTS[1]
 
     def run(**kw):
-        d = Recorder(_drafter(target, **kw))
+        d = RecordingDrafter(_drafter(target, **kw))
         generate_speculative(target, d, prompt, GREEDY)
         return d.proposals
 

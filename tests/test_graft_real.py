@@ -12,35 +12,17 @@ import pytest
 
 from speculation.config import GraftConfig
 from speculation.graft import build_graft_drafter
-from tests.helpers import assert_lossless_on_refs
+from tests.helpers import RecordingDrafter, assert_lossless_on_refs
 
 pytestmark = pytest.mark.slow
 
 
-class _Stages:
-    """Counts the stage of every proposal of the wrapped drafter."""
-
-    def __init__(self, inner):
-        self.inner, self.stages = inner, []
-        self.name, self.needs_aux, self.target_topk = inner.name, inner.needs_aux, inner.target_topk
-
-    def begin(self, ctx, aux):
-        self.inner.begin(ctx, aux)
-
-    def observe(self, ctx, outcome):
-        self.inner.observe(ctx, outcome)
-
-    def propose(self, ctx):
-        p = self.inner.propose(ctx)
-        self.stages.append(int(p.stats["stage"]))
-        return p
-
-
 def test_every_stage_is_lossless_on_spec_bench(smol_fp32, spec_bench_refs):
     cfg = GraftConfig(stages=(0, 1, 5), threshold=0.4, retrieval_confidence=2.0, dense_budget=32)
-    drafter = _Stages(build_graft_drafter(cfg, smol_fp32))
+    drafter = RecordingDrafter(build_graft_drafter(cfg, smol_fp32))
     tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
-    seen = {s: drafter.stages.count(s) for s in cfg.stages}
+    stages = [int(p.stats["stage"]) for p in drafter.proposals]
+    seen = {s: stages.count(s) for s in cfg.stages}
     print(f"graft tau {tau:.2f}, steps per stage {seen}")
     assert all(seen.values()), f"a stage never occurred, so it was not tested: {seen}"
     assert tau > 1.2
