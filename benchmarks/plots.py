@@ -26,6 +26,16 @@ from sweeps.compare import pareto_front  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _save(fig, ax, title: str, out: Path) -> Path:
+    """Title, legend, tight layout, PNG at 110 dpi; closes the figure."""
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_bench(path: Path) -> list[Path]:
     res = json.loads(path.read_text())
     methods = {n: m for n, m in res["methods"].items() if n != "vanilla" and m.get("mean_tree_size")}
@@ -41,12 +51,7 @@ def plot_bench(path: Path) -> list[Path]:
     ax.axhline(1.0, color="grey", lw=0.8, ls="--", label="vanilla")
     ax.set_xlabel("mean verified tree size (tokens per step)")
     ax.set_ylabel("speedup over vanilla")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    pareto = path.with_name(f"{path.stem}_pareto.png")
-    fig.savefig(pareto, dpi=110)
-    plt.close(fig)
+    pareto = _save(fig, ax, title, path.with_name(f"{path.stem}_pareto.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for n, m in methods.items():
@@ -56,12 +61,7 @@ def plot_bench(path: Path) -> list[Path]:
     ax.set_xlabel("depth d")
     ax.set_ylabel("P(accepted >= d | tree reached d)")
     ax.set_ylim(0, 1)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    acceptance = path.with_name(f"{path.stem}_acceptance.png")
-    fig.savefig(acceptance, dpi=110)
-    plt.close(fig)
+    acceptance = _save(fig, ax, title, path.with_name(f"{path.stem}_acceptance.png"))
     return [pareto, acceptance]
 
 

@@ -15,7 +15,7 @@ import torch
 
 from cluster.topology import Topology
 from tests.helpers import TINY_AUX_LAYERS, random_tree, single_thread, tiny_llama, tiny_target
-from workers.shard import ShardSpec, StepInput, StepKind, TargetShard, UnknownSequenceError
+from workers.shard import ShardSpec, StepInput, StepKind, TargetShard, UnknownSequenceError, UnsupportedModelError
 
 
 def _shards(model, n: int, max_sequences: int = 4) -> list[TargetShard]:
@@ -115,7 +115,7 @@ def test_bad_layer_range_and_missing_hidden():
 def test_sliding_window_models_are_refused():
     model = tiny_llama()
     model.config.layer_types = ["sliding_attention", "full_attention"] * 2
-    with pytest.raises(NotImplementedError, match="full-attention decoders only"):
+    with pytest.raises(UnsupportedModelError, match="full-attention decoders only"):
         TargetShard(ShardSpec("tiny", "float32", 0, 1, 0, 4), model=model)
 
 

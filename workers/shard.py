@@ -131,11 +131,15 @@ def load_causal_lm(name: str, dtype: torch.dtype):
     return model.eval()
 
 
+class UnsupportedModelError(ValueError):
+    """The model cannot be sharded (e.g. sliding-window layers); run it in one process."""
+
+
 def _check_supported(config) -> None:
     types = getattr(config, "layer_types", None)
     if types is not None and any(t != "full_attention" for t in types):
         kinds = sorted(set(types))
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"the sharded target supports full-attention decoders only; this model has layer types {kinds} "
             "(run it in one process)"
         )
