@@ -136,6 +136,9 @@ def run_trial(
         flat_params.update({f"bench.{k}": v for k, v in tracking.flatten(result["bench_config"]).items()})
         flat_params["trial_number"] = number
         all_metrics = {**tracking.bench_metrics(result), **metrics, "trial_wall_s": wall}
+    except (KeyboardInterrupt, SystemExit):  # the sweep was stopped, not a failure of this point
+        client.set_terminated(run_id, "KILLED")
+        raise
     except BaseException:
         client.set_terminated(run_id, "FAILED")
         raise

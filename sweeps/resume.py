@@ -66,9 +66,13 @@ def create_or_load(storage: optuna.storages.BaseStorage, study: str, directions:
 def _mlflow_values(
     uri: str, exp_id: str, study: str, number: int, metrics: list[str]
 ) -> tuple[list[float] | None, list[str]]:
-    """(objective values if trial ``number`` finished in MLflow, ids of its unfinished runs)."""
+    """(objective values if trial ``number`` finished in MLflow, ids of its interrupted runs).
+
+    The trial is RUNNING in Optuna, so a run of it that is not FINISHED was cut short by the kill:
+    still RUNNING (the process died), or FAILED (the interruption reached its exception handler).
+    """
     runs = tracking.find_runs(uri, exp_id, {tracking.STUDY_TAG: study, tracking.TRIAL_TAG: str(number)})
-    unfinished = [r.info.run_id for r in runs if r.info.status == "RUNNING"]
+    unfinished = [r.info.run_id for r in runs if r.info.status in ("RUNNING", "FAILED")]
     for r in runs:
         if r.info.status == "FINISHED" and all(m in r.data.metrics for m in metrics):
             return [float(r.data.metrics[m]) for m in metrics], unfinished
