@@ -21,15 +21,19 @@ from speculation.config import ConfigError, DType, Eagle3Config
 MAX_EVAL_PROMPT_TOKENS = 384
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``train eagle3`` (defaults = :class:`Eagle3TrainConfig` defaults)."""
+def add_arguments(p: argparse.ArgumentParser, family: str = "eagle3") -> None:
+    """The options of ``train eagle3`` / ``train specblock`` (defaults = the train config's)."""
     from adaptation.eagle3_train import Eagle3TrainConfig
+    from adaptation.specblock_train import SpecBlockTrainConfig
 
-    d = Eagle3TrainConfig()
+    d = SpecBlockTrainConfig() if family == "specblock" else Eagle3TrainConfig()
+    p.set_defaults(family=family)
     p.add_argument("--model", default="smollm2-135m", help="packaged alias, HF id or local dir")
     p.add_argument("--dtype", default="bfloat16", help="target dtype for extraction/evaluation: bfloat16 | float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--workdir", default="runs/eagle3-smollm2-135m", help="features, checkpoints, resume state")
+    p.add_argument("--workdir", default=f"runs/{family}-smollm2-135m", help="features, checkpoints, resume state")
+    p.add_argument("--features", default=None,
+                   help="feature cache directory (default <workdir>/features); share one between drafters")
     p.add_argument("--export", default=None, help="also write the final checkpoint + manifest here")
     p.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the packaged file)")
     p.add_argument("--heldout", type=int, default=24, help="first N conversations held out (not trained on)")
@@ -55,7 +59,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-at-start", action="store_true")
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
     p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens)
-    p.add_argument("--eval-tree", default="48,5,8", help="total_tokens,depth,top_k of the tau measurement")
+    if family == "specblock":
+        p.add_argument("--block-size", type=int, default=d.block_size, help="K: slots per block")
+        p.add_argument("--num-layers", type=int, default=d.num_layers)
+        p.add_argument("--intermediate-size", type=int, default=d.intermediate_size, help="FFN width (0 = target's)")
+        p.add_argument("--no-shift", action="store_true", help="ablation: no layer-wise shift")
+        p.add_argument("--no-valid-prefix-mask", action="store_true", help="ablation: count every slot's loss")
+        p.add_argument("--position-weight", type=float, default=d.position_weight)
+        p.add_argument("--rank-weight", type=float, default=d.rank_weight)
+        p.add_argument("--eval-total-tokens", type=int, default=48, help="tree budget of the tau measurement")
+    else:
+        p.add_argument("--eval-tree", default="48,5,8", help="total_tokens,depth,top_k of the tau measurement")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-mlflow", action="store_true", help="do not log this run to MLflow")
@@ -83,7 +97,8 @@ def train_config(args: argparse.Namespace):
         epochs=args.epochs, topk=args.topk, shard_size=args.shard_size,
         eval_every_tokens=args.eval_every_tokens, eval_every_minutes=args.eval_every_minutes,
         eval_at_start=args.eval_at_start, eval_prompts=args.eval_prompts,
-        eval_max_new_tokens=args.eval_max_new_tokens, eval_tree=_tree(args.eval_tree), seed=args.seed,
+        eval_max_new_tokens=args.eval_max_new_tokens, eval_tree=_tree(args.eval_tree) if hasattr(args, "eval_tree") else Eagle3Config(checkpoint=Eagle3Config.RANDOM),
+        seed=args.seed,
     )
 
 
@@ -141,19 +156,25 @@ def run(args: argparse.Namespace) -> int:
     from speculation import assets
     from speculation.target import TargetModel
 
+    from adaptation.specblock_train import SpecBlockTrainer
+    from adaptation.specblock_train import train_config as specblock_config
+
+    family = getattr(args, "family", "eagle3")
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = train_config(args)
+    cfg = specblock_config(args) if family == "specblock" else train_config(args)
     model, tokenizer = assets.load_model_and_tokenizer(args.model, DType.parse(args.dtype).torch)
     target = TargetModel(model, tokenizer)
     data = sharegpt_data(args, tokenizer, target)
-    command = "graftblock train eagle3 " + " ".join(shlex.quote(a) for a in args.argv)
-    trainer = Eagle3Trainer(cfg, target, data, args.workdir, target_name=args.model, progress=not args.no_progress)
+    command = f"graftblock train {family} " + " ".join(shlex.quote(a) for a in args.argv)
+    trainer_cls = SpecBlockTrainer if family == "specblock" else Eagle3Trainer
+    trainer = trainer_cls(cfg, target, data, args.workdir, target_name=args.model, progress=not args.no_progress,
+                          features_dir=args.features)
     if args.no_mlflow:
         sink = NullSink()
     else:
         run_id = trainer.saved_run_id()
-        sink = MlflowSink(args.experiment, args.tracking_uri, args.run_name or f"eagle3-{args.model}", run_id)
+        sink = MlflowSink(args.experiment, args.tracking_uri, args.run_name or f"{family}-{args.model}", run_id)
         print(f"MLflow run {sink.run_id} ({sink.uri})", file=sys.stderr)
     trainer.sink = sink
     manifest = trainer.run(export=args.export, command=command)

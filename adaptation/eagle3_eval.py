@@ -61,6 +61,12 @@ def measure_tau(
     """``tau`` and ``accepted_per_step`` of greedy speculative decoding on ``prompts``."""
     head = copy.deepcopy(model).to(target.dtype).eval()
     drafter = Eagle3Drafter(tree, head, target.model.get_input_embeddings().weight.detach())
+    return tau_of(target, drafter, prompts, max_new_tokens)
+
+
+@torch.inference_mode()
+def tau_of(target: Any, drafter: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
+    """``tau`` and ``accepted_per_step`` of greedy speculative decoding with any drafter."""
     cfg = EngineConfig(max_new_tokens=max_new_tokens, stop_at_eos=True, sampling=SamplingConfig(temperature=0.0))
     gained = steps = accepted = 0
     for p in prompts:

@@ -38,7 +38,7 @@ from adaptation.eagle3_tracking import MetricsSink, NullSink
 from adaptation.eagle3_ttt import ttt_forward
 from adaptation.eagle3_vocab import DraftVocab, select_draft_vocab, token_counts
 from speculation.config import ConfigError, Eagle3Config
-from speculation.drafters.eagle3_checkpoint import TargetFingerprint, save_checkpoint
+from speculation.drafters.checkpoint import EAGLE3, CheckpointKind, TargetFingerprint, save_checkpoint
 from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
 
 
@@ -196,6 +196,10 @@ def _lr(cfg: Eagle3TrainConfig, step: int, progress: float) -> float:
 class Eagle3Trainer:
     """Trains one EAGLE-3 head for ``target`` in ``workdir`` (resumable).
 
+    Subclasses train other drafter families with the same data, cache, resume, evaluation and
+    checkpoint plumbing by overriding :meth:`new_model`, :meth:`forward`,
+    :meth:`heldout_metrics` and :meth:`measure_tau` (and ``kind``/``label``).
+
     Args:
         cfg: training knobs.
         target: a :class:`~speculation.target.TargetModel` (extraction and evaluation dtype).
@@ -216,6 +220,7 @@ class Eagle3Trainer:
         sink: MetricsSink | None = None,
         progress: bool = True,
         on_stop_signal: bool = True,
+        features_dir: str | Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.target = target
@@ -226,7 +231,7 @@ class Eagle3Trainer:
         self.sink: MetricsSink = sink or NullSink()
         self.progress = progress
         self.fingerprint = TargetFingerprint.from_target(target, name=target_name)
-        self.cache = FeatureCache(self.workdir / "features")
+        self.cache = FeatureCache(Path(features_dir) if features_dir else self.workdir / "features")
         self.embed = target.model.get_input_embeddings().weight.detach()
         self.state = TrainState()
         self.vocab: DraftVocab | None = None
@@ -263,9 +268,8 @@ class Eagle3Trainer:
             "data": self.data.description,
         })
         self.vocab = self._choose_vocab()
-        arch = Eagle3Arch.from_target_config(self.target.model.config, self.target.vocab_size, self.vocab.ids.numel())
         torch.manual_seed(self.cfg.seed)
-        model = Eagle3Model(arch)
+        model = self.new_model(self.vocab.ids)
         model.set_vocab(self.vocab.ids)
         model.init_head_from_target(self.target.model.get_output_embeddings().weight.detach().float())
         self.model = model.float().train()
@@ -277,6 +281,28 @@ class Eagle3Trainer:
             model.load_state_dict(saved["model"])
             self.opt.load_state_dict(saved["optimizer"])
             self.state = TrainState(**saved["state"])
+
+    kind: CheckpointKind = EAGLE3
+    label = "eagle3"
+
+    def new_model(self, draft_ids: torch.Tensor) -> Any:
+        """A fresh network for the target and a draft vocabulary of ``draft_ids``."""
+        arch = Eagle3Arch.from_target_config(self.target.model.config, self.target.vocab_size, draft_ids.numel())
+        return Eagle3Model(arch)
+
+    def forward(self, batch, steps: int) -> tuple[torch.Tensor, dict[str, float], int]:
+        """``(loss, metrics, loss tokens)`` of one training batch unrolled ``steps`` steps."""
+        res = ttt_forward(self.model, self.embed, batch, steps, self._t2d, self.cfg.step_decay)
+        return res.loss, {f"train.acc_{j}": a for j, a in enumerate(res.step_acc)}, res.step_count[0]
+
+    def heldout_metrics(self, heldout) -> dict[str, float]:
+        """Teacher-forced held-out metrics (``heldout.*``)."""
+        return heldout_metrics(self.model, self.embed, heldout, self.cfg.ttt_steps, self.cfg.batch_tokens,
+                               self.cfg.autocast_bf16)
+
+    def measure_tau(self, prompts: list[list[int]]) -> dict[str, float]:
+        """Real speculative decoding with the head on held-out prompts (``tau``, ...)."""
+        return measure_tau(self.target, self.model, self.cfg.eval_tree, prompts, self.cfg.eval_max_new_tokens)
 
     def saved_run_id(self) -> str | None:
         """The MLflow run id recorded by an earlier (interrupted) run in this workdir."""
@@ -324,12 +350,10 @@ class Eagle3Trainer:
         assert self.model is not None
         metrics: dict[str, float] = {"tokens": float(self.state.tokens)}
         if heldout is not None:
-            metrics.update(heldout_metrics(self.model, self.embed, heldout, self.cfg.ttt_steps,
-                                           self.cfg.batch_tokens, self.cfg.autocast_bf16))
+            metrics.update(self.heldout_metrics(heldout))
         if self.data.eval_prompts and self.cfg.eval_prompts:
             t = time.perf_counter()
-            tau = measure_tau(self.target, self.model, self.cfg.eval_tree,
-                              self.data.eval_prompts[: self.cfg.eval_prompts], self.cfg.eval_max_new_tokens)
+            tau = self.measure_tau(self.data.eval_prompts[: self.cfg.eval_prompts])
             metrics.update({f"heldout.{k}": v for k, v in tau.items()})
             metrics["heldout.tau_eval_s"] = time.perf_counter() - t
         record = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
@@ -339,7 +363,7 @@ class Eagle3Trainer:
         self.state.last_eval_tokens = self.state.tokens
         self.state.last_eval_elapsed_s = self._elapsed()
         ck = self.workdir / "checkpoints" / f"tokens_{self.state.tokens:010d}"
-        save_checkpoint(ck, self.model, self.fingerprint, manifest=self.manifest(record))
+        save_checkpoint(ck, self.model, self.fingerprint, manifest=self.manifest(record), kind=self.kind)
         self.sink.log_metrics(metrics, step=self.state.tokens)
         return metrics
 
@@ -348,7 +372,7 @@ class Eagle3Trainer:
         assert self.vocab is not None
         last_eval = last_eval or (self.state.evals[-1] if self.state.evals else {})
         return {
-            "format": "graftblock-eagle3/1",
+            "format": self.kind.format,
             "target": {"name": self.target_name, **self.fingerprint.to_dict()},
             "data": self.data.description,
             "draft_vocab": {"size": int(self.vocab.ids.numel()), "coverage": self.vocab.coverage,
@@ -381,19 +405,19 @@ class Eagle3Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-            res = ttt_forward(self.model, self.embed, batch, steps, self._t2d, cfg.step_decay)
+            loss, step_metrics, loss_tokens = self.forward(batch, steps)
         self.opt.zero_grad(set_to_none=True)
-        if res.loss.requires_grad:
-            res.loss.backward()
+        if loss.requires_grad:
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             self.opt.step()
         self.state.step += 1
         self.state.tokens += batch.num_tokens
         self.state.sequences += batch.input_ids.shape[0]
-        self.state.loss_tokens += res.step_count[0]
-        self.state.last_loss = float(res.loss.detach())
+        self.state.loss_tokens += loss_tokens
+        self.state.last_loss = float(loss.detach())
         out = {"train.loss": self.state.last_loss, "train.lr": lr, "train.ttt_steps": float(steps)}
-        out.update({f"train.acc_{j}": a for j, a in enumerate(res.step_acc)})
+        out.update(step_metrics)
         return out
 
     def _progress(self) -> float:
@@ -430,7 +454,7 @@ class Eagle3Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=self.cfg.max_tokens, initial=min(self.state.tokens, self.cfg.max_tokens),
-                       unit="tok", unit_scale=True, desc="train eagle3", dynamic_ncols=True)
+                       unit="tok", unit_scale=True, desc=f"train {self.label}", dynamic_ncols=True)
         heldout = self._heldout_shard()
         reason = None
         try:
@@ -490,9 +514,10 @@ class Eagle3Trainer:
             self._save_state()
             manifest = self.manifest(command=command)
             manifest["training"]["stop_reason"] = reason
-            final = save_checkpoint(self.workdir / "final", self.model, self.fingerprint, manifest=manifest)
+            final = save_checkpoint(self.workdir / "final", self.model, self.fingerprint, manifest=manifest,
+                                    kind=self.kind)
             if export is not None:
-                save_checkpoint(export, self.model, self.fingerprint, manifest=manifest)
+                save_checkpoint(export, self.model, self.fingerprint, manifest=manifest, kind=self.kind)
             self.sink.log_artifact(final.parent / "manifest.json")
             self.sink.finish("FINISHED" if reason != "signal" else "KILLED")
             return manifest

@@ -24,6 +24,7 @@ SECTIONS: dict[str, str] = {
     "foundation_specbench_fp32": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (fp32)",
     "eagle3_graft_specbench_bf16": "EAGLE-3 tree budgets and the Graft ablation (bf16)",
     "graft_specbench_fp32": "Graft ablation (fp32)",
+    "specblock_specbench_bf16": "SpecBlock against EAGLE-3, and its ablations (bf16)",
     "verify_curve": "Verify cost curve c(T)",
     "ray_overhead": "Ray actor path: per-step overhead of sharding",
     "retrieval_scaling": "Retrieval proposal cost against context length",
@@ -126,19 +127,20 @@ def render_drafter_details(res: dict) -> list[str]:
         return []
     lines = ["", "Acceptance per depth (share of steps whose tree reached depth d that accepted >= d tokens; "
              "plot: see below) and where accepted tokens came from:", "",
-             "| method | d=1 | d=2 | d=3 | d=4 | d=5 | d=6 | accepted from retrieval | steps per stage (stages ascending) "
-             "| grafted nodes/step | drafter nodes/step | assembly µs/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | d=1 | d=2 | d=3 | d=4 | d=5 | d=6 | d=7 | d=8 | accepted from retrieval "
+             "| steps per stage (stages ascending) | grafted nodes/step | drafter nodes/step | blocks/step "
+             "| assembly µs/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in rows:
-        acc = (m.get("acceptance_per_depth") or []) + [None] * 6
+        acc = (m.get("acceptance_per_depth") or []) + [None] * 8
         share = (m.get("accepted_share_by_source") or {}).get("retrieval")
         st = m.get("drafter_stats") or {}
         stages = sorted(int(k.split("_")[1]) for k in st if k.startswith("stage_"))
         shares = " / ".join(f"{_f(st[f'stage_{s}'], 2)}" for s in stages) if stages else "–"
         asm = st.get("assembly_s")
         lines.append(
-            f"| {name} | " + " | ".join(_f(a) for a in acc[:6]) + f" | {_f(share, 2)} | {shares} | "
-            f"{_f(st.get('grafted'), 1)} | {_f(st.get('drafter_nodes'), 1)} | "
+            f"| {name} | " + " | ".join(_f(a) for a in acc[:8]) + f" | {_f(share, 2)} | {shares} | "
+            f"{_f(st.get('grafted'), 1)} | {_f(st.get('drafter_nodes'), 1)} | {_f(st.get('blocks'), 2)} | "
             f"{_f(asm * 1e6 if asm is not None else None, 0)} |"
         )
     return lines

@@ -211,10 +211,10 @@ def cmd_assets(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train_eagle3(args: argparse.Namespace) -> int:
+def cmd_train(args: argparse.Namespace) -> int:
     from adaptation import eagle3_cli
 
-    args.argv = sys.argv[3:] if sys.argv[1:3] == ["train", "eagle3"] else []
+    args.argv = sys.argv[3:] if sys.argv[1:3] == ["train", args.family] else []
     return eagle3_cli.run(args)
 
 
@@ -260,8 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     from adaptation import eagle3_cli
 
     te = tsub.add_parser("eagle3", help="train an EAGLE-3 head on ShareGPT for a target")
-    eagle3_cli.add_arguments(te)
-    te.set_defaults(func=cmd_train_eagle3)
+    eagle3_cli.add_arguments(te, "eagle3")
+    te.set_defaults(func=cmd_train)
+    ts = tsub.add_parser("specblock", help="train a SpecBlock head on ShareGPT for a target")
+    eagle3_cli.add_arguments(ts, "specblock")
+    ts.set_defaults(func=cmd_train)
 
     ray_cli.add_subcommands(sub)  # sweep, compare
     return parser

@@ -414,3 +414,74 @@ class Eagle3Config:
             raise ConfigError(f"{o}.checkpoint must be 'auto', 'random' or a path, got {self.checkpoint!r}")
         if self.checkpoint not in (self.AUTO, self.RANDOM) and not Path(self.checkpoint).expanduser().exists():
             raise ConfigError(f"{o}.checkpoint: no such file or directory {self.checkpoint!r}")
+
+
+@dataclass(frozen=True)
+class SpecBlockConfig:
+    """Knobs of the SpecBlock block drafter (ALGORITHMS.md section 4; ``drafters/specblock.py``).
+
+    One drafter forward emits ``block_size`` dependent positions. Block 1 drafts a greedy chain at
+    the root; the rank head's class per slot sets how many alternatives branch there
+    (``slot_widths[class]``); the best ``beam`` pending leaves then seed up to ``max_blocks - 1``
+    further blocks (one forward each). The pool is reranked by cumulative log-probability to
+    ``total_tokens - 1`` draft nodes.
+    """
+
+    AUTO = "auto"
+    RANDOM = "random"
+    RANK_CLASSES = 4
+
+    total_tokens: int = 48
+    """Verified tree size, root included. Range [2, 1024]."""
+    block_size: int = 4
+    """K: positions per drafter forward; at most the checkpoint's K (a prefix of its slots is
+    exact, since slot k depends only on slots < k). Range [1, 16]."""
+    max_blocks: int = 2
+    """Block expansions per step (drafter forwards after encoding, at most). Range [1, 8]."""
+    beam: int = 8
+    """Pending leaves kept per block, and the root slot's width. Range [1, 64]."""
+    slot_widths: tuple[int, ...] = (2, 4, 6, 4)
+    """Tokens drafted at a slot per rank class (continue, branch-few, branch-many, give-up);
+    1 = greedy only, 0 = stop the chain there. Four entries, each in [0, 64]."""
+    rank_head: bool = True
+    """Use the rank head's classes; False = fixed width ``top_k`` at every slot (the ablation)."""
+    top_k: int = 4
+    """Width per slot when ``rank_head`` is False. Range [1, 64]."""
+    adaptive_widths: bool = True
+    """Narrow confident slots: p0 >= .9/.8/.6 caps slot 0 at 3/5/8, p >= .95/.85 caps others at 2/3."""
+    checkpoint: str = "auto"
+    """``auto`` (the committed SpecBlock checkpoint matching the target), ``random``, or a path."""
+    draft_vocab_size: int = 8192
+    """Draft vocabulary of a ``random`` head. Range [1, 1048576]."""
+    num_layers: int = 2
+    """Decoder layers of a ``random`` head. Range [1, 8]."""
+    shift: bool = True
+    """Layer-wise shift in a ``random`` head (a checkpoint records its own)."""
+    seed: int = 0
+    """Initialisation seed of a ``random`` head. Range >= 0."""
+
+    def __post_init__(self) -> None:
+        o = "specblock"
+        _check_int(o, "total_tokens", self.total_tokens, 2, 1024)
+        _check_int(o, "block_size", self.block_size, 1, 16)
+        _check_int(o, "max_blocks", self.max_blocks, 1, 8)
+        _check_int(o, "beam", self.beam, 1, 64)
+        widths = self.slot_widths
+        if not isinstance(widths, (list, tuple)) or len(widths) != self.RANK_CLASSES:
+            raise ConfigError(f"{o}.slot_widths must be a list of {self.RANK_CLASSES} widths, got {widths!r}")
+        for w in widths:
+            _check_int(o, "slot_widths[]", w, 0, 64)
+        if widths[0] < 1:
+            raise ConfigError(f"{o}.slot_widths[0] (the 'continue' class) must be >= 1, got {widths[0]}")
+        object.__setattr__(self, "slot_widths", tuple(widths))
+        for name in ("rank_head", "adaptive_widths", "shift"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
+        _check_int(o, "top_k", self.top_k, 1, 64)
+        _check_int(o, "draft_vocab_size", self.draft_vocab_size, 1, 1 << 20)
+        _check_int(o, "num_layers", self.num_layers, 1, 8)
+        _check_int(o, "seed", self.seed, 0)
+        if not isinstance(self.checkpoint, str) or not self.checkpoint.strip():
+            raise ConfigError(f"{o}.checkpoint must be 'auto', 'random' or a path, got {self.checkpoint!r}")
+        if self.checkpoint not in (self.AUTO, self.RANDOM) and not Path(self.checkpoint).expanduser().exists():
+            raise ConfigError(f"{o}.checkpoint: no such file or directory {self.checkpoint!r}")

@@ -20,7 +20,7 @@ from speculation.config import ConfigError, Eagle3Config, EngineConfig, Sampling
 from speculation.drafters import DrafterType, build_drafter, resolve_methods
 from speculation.drafters.base import DraftContext, Drafter
 from speculation.drafters.eagle3 import Eagle3Drafter, build_eagle3_drafter, random_model
-from speculation.drafters.eagle3_checkpoint import (
+from speculation.drafters.checkpoint import (
     CheckpointError,
     TargetFingerprint,
     load_checkpoint,

@@ -12,7 +12,7 @@ import pytest
 
 from speculation.config import Eagle3Config
 from speculation.drafters.eagle3 import CHECKPOINT_ROOT, build_eagle3_drafter
-from speculation.drafters.eagle3_checkpoint import TargetFingerprint, find_checkpoint
+from speculation.drafters.checkpoint import TargetFingerprint, find_checkpoint
 from tests.helpers import assert_lossless_on_refs
 
 pytestmark = pytest.mark.slow

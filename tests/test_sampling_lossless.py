@@ -43,9 +43,17 @@ import pytest
 import torch
 
 from speculation import verify as V
-from speculation.config import Eagle3Config, EngineConfig, GraftConfig, RetrievalConfig, SamplingConfig
+from speculation.config import (
+    Eagle3Config,
+    EngineConfig,
+    GraftConfig,
+    RetrievalConfig,
+    SamplingConfig,
+    SpecBlockConfig,
+)
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
+from speculation.drafters.specblock import build_specblock_drafter
 from speculation.engine import generate_speculative, generate_vanilla
 from speculation.graft import build_graft_drafter
 from speculation.tree import ROOT, DraftTree
@@ -218,12 +226,20 @@ def _graft_drafter(target):
     return build_graft_drafter(cfg, target)
 
 
+def _specblock_drafter(target):
+    """A random-init SpecBlock head with its rank head on and two blocks (branching and inheritance)."""
+    cfg = SpecBlockConfig(checkpoint="random", draft_vocab_size=VOCAB, block_size=3, max_blocks=2, beam=3,
+                          slot_widths=(2, 2, 3, 1), total_tokens=10, adaptive_widths=False)
+    return build_specblock_drafter(cfg, target)
+
+
 # Every tree drafter on main is listed here; a new drafter adds its factory.
 DRAFTERS = {
     "random_tree": _random_tree_drafter,
     "retrieval": _retrieval_drafter,
     "eagle3": _eagle3_drafter,
     "graft": _graft_drafter,
+    "specblock": _specblock_drafter,
 }
 
 

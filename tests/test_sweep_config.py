@@ -22,7 +22,7 @@ def _write(tmp_path, data) -> Path:
     return p
 
 
-@pytest.mark.parametrize("name", ["sweep_smoke.yaml", "sweep_retrieval.yaml", "sweep_graft.yaml"])
+@pytest.mark.parametrize("name", ["sweep_smoke.yaml", "sweep_retrieval.yaml", "sweep_graft.yaml", "sweep_specblock.yaml"])
 def test_shipped_sweep_configs_load(name):
     cfg = load_sweep_config(REPO / "ray_configs" / name)
     assert cfg.search_space().knobs

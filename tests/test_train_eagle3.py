@@ -21,7 +21,7 @@ from adaptation.eagle3_train import Eagle3Trainer, Eagle3TrainConfig, TrainData
 from adaptation.eagle3_vocab import select_draft_vocab, token_counts
 from speculation.config import ConfigError, Eagle3Config
 from speculation.drafters.eagle3 import build_eagle3_drafter
-from speculation.drafters.eagle3_checkpoint import load_checkpoint, read_manifest, TargetFingerprint
+from speculation.drafters.checkpoint import load_checkpoint, read_manifest, TargetFingerprint
 from tests.helpers import tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -15,10 +15,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from speculation.config import ConfigError, Eagle3Config, GraftConfig, RetrievalConfig, from_dict, to_dict
+from speculation.config import (
+    ConfigError,
+    Eagle3Config,
+    GraftConfig,
+    RetrievalConfig,
+    SpecBlockConfig,
+    from_dict,
+    to_dict,
+)
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
+from speculation.drafters.specblock import build_specblock_drafter
 
 __all__ = [
     "DraftContext",
@@ -38,6 +47,7 @@ class DrafterType(str, enum.Enum):
     VANILLA = "vanilla"
     RETRIEVAL = "retrieval"
     EAGLE3 = "eagle3"
+    SPECBLOCK = "specblock"
     GRAFT = "graft"
 
 
@@ -45,12 +55,14 @@ _CONFIGS: dict[DrafterType, type | None] = {
     DrafterType.VANILLA: None,
     DrafterType.RETRIEVAL: RetrievalConfig,
     DrafterType.EAGLE3: Eagle3Config,
+    DrafterType.SPECBLOCK: SpecBlockConfig,
     DrafterType.GRAFT: GraftConfig,
 }
 
 _BUILDERS: dict[DrafterType, Callable[[Any, Any], Drafter]] = {
     DrafterType.RETRIEVAL: lambda cfg, target: RetrievalDrafter(cfg, target.vocab_size),
     DrafterType.EAGLE3: build_eagle3_drafter,
+    DrafterType.SPECBLOCK: build_specblock_drafter,
     DrafterType.GRAFT: lambda cfg, target: _build_graft(cfg, target),
 }
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from speculation.config import Eagle3Config
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome, StopRule
-from speculation.drafters.eagle3_checkpoint import (
+from speculation.drafters.checkpoint import (
     CheckpointError,
     TargetFingerprint,
     find_checkpoint,

@@ -1,4 +1,7 @@
-"""EAGLE-3 checkpoints: one ``model.safetensors`` (+ an optional ``manifest.json`` beside it).
+"""Drafter checkpoints (EAGLE-3, SpecBlock): one ``model.safetensors`` (+ an optional ``manifest.json``).
+
+A :class:`CheckpointKind` names the format string, the architecture dataclass and the network
+class of one drafter family; every function takes the kind (EAGLE-3 by default).
 
 The safetensors header metadata records the format, the head's architecture and a fingerprint
 of the target it was trained for. Loading checks the fingerprint against the live target and
@@ -21,8 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
-
-FORMAT = "graftblock-eagle3/1"
+from speculation.drafters.specblock_model import SpecBlockArch, SpecBlockModel
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
 _SIGNATURE_ROWS = 8
@@ -31,6 +33,21 @@ _SIGNATURE_RTOL = 1e-2
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be used (missing, malformed, or made for another target)."""
+
+
+@dataclass(frozen=True)
+class CheckpointKind:
+    """One drafter family's checkpoint format."""
+
+    format: str
+    label: str
+    arch_cls: type
+    model_cls: type
+
+
+EAGLE3 = CheckpointKind("graftblock-eagle3/1", "EAGLE-3", Eagle3Arch, Eagle3Model)
+SPECBLOCK = CheckpointKind("graftblock-specblock/1", "SpecBlock", SpecBlockArch, SpecBlockModel)
+FORMAT = EAGLE3.format
 
 
 @dataclass(frozen=True)
@@ -110,21 +127,22 @@ def embedding_signature(weight: torch.Tensor) -> tuple[float, ...]:
     return tuple(round(float(x), 6) for x in norms)
 
 
-def _weights_path(path: str | Path) -> Path:
+def _weights_path(path: str | Path, kind: CheckpointKind = EAGLE3) -> Path:
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / WEIGHTS_FILE
     if not p.is_file():
-        raise CheckpointError(f"EAGLE-3 checkpoint not found: {p}")
+        raise CheckpointError(f"{kind.label} checkpoint not found: {p}")
     return p
 
 
 def save_checkpoint(
     path: str | Path,
-    model: Eagle3Model,
+    model: Eagle3Model | SpecBlockModel,
     fingerprint: TargetFingerprint,
     dtype: torch.dtype = torch.bfloat16,
     manifest: dict | None = None,
+    kind: CheckpointKind = EAGLE3,
 ) -> Path:
     """Write ``model.safetensors`` (float tensors cast to ``dtype``) and, if given, ``manifest.json``.
 
@@ -143,7 +161,7 @@ def save_checkpoint(
         for k, v in model.state_dict().items()
     }
     meta = {
-        "format": FORMAT,
+        "format": kind.format,
         "arch": json.dumps(model.arch.to_dict()),
         "target": json.dumps(fingerprint.to_dict()),
     }
@@ -159,23 +177,27 @@ def save_checkpoint(
     return weights
 
 
-def read_header(path: str | Path) -> tuple[Eagle3Arch, TargetFingerprint]:
+def read_header(path: str | Path, kind: CheckpointKind = EAGLE3) -> tuple[Any, TargetFingerprint]:
     """Architecture and target fingerprint from a checkpoint's metadata (tensors not read)."""
-    weights = _weights_path(path)
+    weights = _weights_path(path, kind)
     try:
         with safe_open(str(weights), framework="pt") as f:
             meta = f.metadata() or {}
     except Exception as exc:  # not a safetensors file
         raise CheckpointError(f"{weights}: not a readable safetensors file ({exc})") from exc
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{weights}: not an EAGLE-3 checkpoint (format {meta.get('format')!r}, want {FORMAT!r})")
-    arch = Eagle3Arch(**json.loads(meta["arch"]))
+    if meta.get("format") != kind.format:
+        raise CheckpointError(
+            f"{weights}: not a {kind.label} checkpoint (format {meta.get('format')!r}, want {kind.format!r})"
+        )
+    arch = kind.arch_cls(**json.loads(meta["arch"]))
     return arch, TargetFingerprint.from_dict(json.loads(meta["target"]))
 
 
-def check_compatible(path: str | Path, live: TargetFingerprint) -> tuple[Eagle3Arch, TargetFingerprint]:
+def check_compatible(
+    path: str | Path, live: TargetFingerprint, kind: CheckpointKind = EAGLE3
+) -> tuple[Any, TargetFingerprint]:
     """Raise :class:`CheckpointError` naming every mismatch between the checkpoint and ``live``."""
-    arch, fp = read_header(path)
+    arch, fp = read_header(path, kind)
     problems = fp.mismatches(live)
     if arch.hidden_size != live.hidden_size and not any(m.startswith("hidden_size") for m in problems):
         problems.append(f"hidden_size: checkpoint head width {arch.hidden_size} != target {live.hidden_size}")
@@ -183,19 +205,19 @@ def check_compatible(path: str | Path, live: TargetFingerprint) -> tuple[Eagle3A
         problems.append(f"vocab_size: checkpoint {arch.target_vocab_size} != target {live.vocab_size}")
     if problems:
         raise CheckpointError(
-            f"EAGLE-3 checkpoint {path} does not fit this target ({live.name!r}); it was trained for "
+            f"{kind.label} checkpoint {path} does not fit this target ({live.name!r}); it was trained for "
             f"{fp.name!r}: " + "; ".join(problems)
         )
     return arch, fp
 
 
 def load_checkpoint(
-    path: str | Path, live: TargetFingerprint, dtype: torch.dtype = torch.float32
-) -> Eagle3Model:
-    """An :class:`Eagle3Model` from ``path`` after checking it against the live target's fingerprint."""
-    arch, _ = check_compatible(path, live)
-    model = Eagle3Model(arch)
-    weights = _weights_path(path)
+    path: str | Path, live: TargetFingerprint, dtype: torch.dtype = torch.float32, kind: CheckpointKind = EAGLE3
+) -> Any:
+    """The network (``kind.model_cls``) from ``path`` after checking it against the live target."""
+    arch, _ = check_compatible(path, live, kind)
+    model = kind.model_cls(arch)
+    weights = _weights_path(path, kind)
     state: dict[str, torch.Tensor] = {}
     with safe_open(str(weights), framework="pt") as f:
         for key in f.keys():
@@ -211,14 +233,14 @@ def load_checkpoint(
     return model.to(dtype).eval()
 
 
-def find_checkpoint(root: str | Path, live: TargetFingerprint) -> Path | None:
-    """The first ``<root>/*/model.safetensors`` whose fingerprint matches ``live`` (sorted by name)."""
+def find_checkpoint(root: str | Path, live: TargetFingerprint, kind: CheckpointKind = EAGLE3) -> Path | None:
+    """The first ``<root>/*/model.safetensors`` of ``kind`` whose fingerprint matches ``live`` (by name)."""
     base = Path(root)
     if not base.is_dir():
         return None
     for cand in sorted(base.glob(f"*/{WEIGHTS_FILE}")):
         try:
-            _, fp = read_header(cand)
+            _, fp = read_header(cand, kind)
         except CheckpointError:
             continue
         if not fp.mismatches(live):

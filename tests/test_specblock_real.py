@@ -1,0 +1,35 @@
+"""SpecBlock on real SmolLM2-135M weights: fp32 greedy output equals vanilla token for token.
+
+Eight Spec-Bench questions (one per category, first turn, chat template), with (a) a randomly
+initialised head (32 new tokens: nearly every step rejects, exercising every draft path) and
+(b) the committed trained checkpoint (64 new tokens: long accepted paths through inherited
+blocks).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from speculation.config import SpecBlockConfig
+from speculation.drafters.checkpoint import SPECBLOCK, TargetFingerprint, find_checkpoint
+from speculation.drafters.eagle3 import CHECKPOINT_ROOT
+from speculation.drafters.specblock import build_specblock_drafter
+from tests.helpers import assert_lossless_on_refs
+
+pytestmark = pytest.mark.slow
+
+
+def test_random_head_is_lossless(smol_fp32, spec_bench_refs):
+    cfg = SpecBlockConfig(checkpoint="random", total_tokens=16, beam=4, draft_vocab_size=8192, max_blocks=2)
+    tau = assert_lossless_on_refs(smol_fp32, build_specblock_drafter(cfg, smol_fp32), spec_bench_refs, 32)
+    assert tau >= 1.0
+
+
+@pytest.mark.parametrize("rank_head", [True, False])
+def test_trained_checkpoint_is_lossless_and_accepts(smol_fp32, spec_bench_refs, rank_head):
+    found = find_checkpoint(CHECKPOINT_ROOT, TargetFingerprint.from_target(smol_fp32), SPECBLOCK)
+    assert found is not None, f"the committed SpecBlock checkpoint for SmolLM2 is missing under {CHECKPOINT_ROOT}"
+    drafter = build_specblock_drafter(SpecBlockConfig(checkpoint="auto", rank_head=rank_head), smol_fp32)
+    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
+    print(f"trained specblock (rank head {rank_head}) tau on 8 Spec-Bench prompts: {tau:.2f}")
+    assert tau > 1.2
