@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 from speculation.config import SpecBlockConfig
-from speculation.drafters.checkpoint import SPECBLOCK, TargetFingerprint, find_checkpoint
-from speculation.drafters.eagle3 import CHECKPOINT_ROOT
+from speculation.drafters.checkpoint import CHECKPOINT_ROOT, SPECBLOCK, TargetFingerprint, find_checkpoint
 from speculation.drafters.specblock import build_specblock_drafter
 from tests.helpers import assert_lossless_on_refs
 

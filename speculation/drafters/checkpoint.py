@@ -41,12 +41,16 @@ class CheckpointKind:
 
     format: str
     label: str
+    method: str  # the method / ``graftblock train`` subcommand name
     arch_cls: type
     model_cls: type
 
 
-EAGLE3 = CheckpointKind("graftblock-eagle3/1", "EAGLE-3", Eagle3Arch, Eagle3Model)
-SPECBLOCK = CheckpointKind("graftblock-specblock/1", "SpecBlock", SpecBlockArch, SpecBlockModel)
+EAGLE3 = CheckpointKind("graftblock-eagle3/1", "EAGLE-3", "eagle3", Eagle3Arch, Eagle3Model)
+SPECBLOCK = CheckpointKind("graftblock-specblock/1", "SpecBlock", "specblock", SpecBlockArch, SpecBlockModel)
+CHECKPOINT_ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
+"""Where ``checkpoint: auto`` looks for a checkpoint matching the target (``<repo>/checkpoints``)."""
+AUTO = "auto"
 FORMAT = EAGLE3.format
 
 
@@ -253,3 +257,21 @@ def read_manifest(path: str | Path) -> dict | None:
     weights = _weights_path(path)
     m = weights.parent / MANIFEST_FILE
     return json.loads(m.read_text()) if m.is_file() else None
+
+
+def load_for_target(checkpoint: str, target: Any, kind: CheckpointKind, root: Path = CHECKPOINT_ROOT) -> Any:
+    """The network for ``target`` from ``checkpoint``: a path, or ``auto`` = the first checkpoint of
+    ``kind`` under ``root`` whose fingerprint matches the target (fp32; the caller casts it)."""
+    live = TargetFingerprint.from_target(target)
+    if checkpoint == AUTO:
+        found = find_checkpoint(root, live, kind)
+        if found is None:
+            raise CheckpointError(
+                f"no {kind.label} checkpoint for target {live.name!r} (hidden {live.hidden_size}, vocab "
+                f"{live.vocab_size}) under {root}; train one with `graftblock train {kind.method}`, "
+                f"pass {kind.method}.checkpoint: PATH, or use checkpoint: random"
+            )
+        path = found
+    else:
+        path = Path(checkpoint).expanduser()
+    return load_checkpoint(path, live, kind=kind)

@@ -20,28 +20,21 @@ keeps the aux history, so the next ``propose`` re-encodes the context with the n
 
 from __future__ import annotations
 
-import copy
-import threading
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from speculation.config import Eagle3Config
-from speculation.drafters.base import DraftContext, Proposal, StepOutcome, StopRule
-from speculation.drafters.checkpoint import (
-    CheckpointError,
-    TargetFingerprint,
-    find_checkpoint,
-    load_checkpoint,
-)
+from speculation.drafters.base import DraftContext, Proposal, StopRule
+from speculation.drafters.checkpoint import CHECKPOINT_ROOT, EAGLE3, load_for_target
 from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
 from speculation.drafters.eagle3_tree import CandidatePool, build_draft_tree, select_top
+from speculation.drafters.feature_pairs import FeaturePairsDrafter
+from speculation.drafters.head import untrained_head
 from speculation.tree import DraftTree
 
-CHECKPOINT_ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
-"""Where ``checkpoint: auto`` looks for a checkpoint matching the target (``<repo>/checkpoints``)."""
+__all__ = ["CHECKPOINT_ROOT", "DraftKVCache", "Eagle3Drafter", "build_eagle3_drafter", "random_model"]
 
 
 class DraftKVCache:
@@ -78,7 +71,7 @@ class DraftKVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(FeaturePairsDrafter):
     """EAGLE-3 dynamic-tree drafter (see the module docstring).
 
     Args:
@@ -88,92 +81,28 @@ class Eagle3Drafter:
     """
 
     name = "eagle3"
-    needs_aux = True
-    target_topk = 0
 
     def __init__(self, config: Eagle3Config, model: Eagle3Model, embed_weight: torch.Tensor) -> None:
-        if embed_weight.shape != (model.arch.target_vocab_size, model.arch.hidden_size):
-            raise ValueError(
-                f"target embedding has shape {tuple(embed_weight.shape)}, the drafter expects "
-                f"[{model.arch.target_vocab_size}, {model.arch.hidden_size}]"
-            )
         self.config = config
-        self.embed_weight = embed_weight
-        self.model = model.eval()
-        self._draft_ids = model.draft_ids()
-        self._aux = torch.empty(0, 3 * model.arch.hidden_size)
-        self._n_pairs = 0
-        self._encoded = 0
+        self._init_pairs(model, embed_weight)
         self.cache = self._new_cache()
         self._last_y: torch.Tensor | None = None  # [H]
         self._last_logp: torch.Tensor | None = None  # [N_d] fp32
-        self._lock = threading.Lock()  # a swap never lands in the middle of a propose
 
-    def __getstate__(self) -> dict:
-        """Picklable (shipped to a DrafterWorker): the lock is per process, recreated on load."""
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    # ------------------------------------------------------------------ properties
     @property
     def arch(self) -> Eagle3Arch:
         return self.model.arch
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
 
     def _new_cache(self) -> DraftKVCache:
         a = self.model.arch
         return DraftKVCache(a.num_kv_heads, a.head_dim, self.dtype)
 
-    # ------------------------------------------------------------------ weights
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load weights into a copy of the network, then swap it in (atomic between steps)."""
-        fresh = copy.deepcopy(self.model)
-        fresh.load_state_dict(state_dict)
-        self.swap_model(fresh)
-
-    def swap_model(self, model: Eagle3Model) -> None:
-        """Replace the network (same architecture; cast in place to the drafter's dtype).
-
-        Thread-safe against :meth:`propose`; the context is re-encoded at the next propose.
-        """
-        if model.arch != self.model.arch:
-            raise ValueError(f"cannot swap in a drafter of another architecture: {model.arch} != {self.model.arch}")
-        model = model.to(self.dtype).eval()
-        draft_ids = model.draft_ids()
-        with self._lock:
-            self.model, self._draft_ids = model, draft_ids
-            self._encoded = 0
-            self.cache.length = 0
+    def _reset_cache(self, new: bool) -> None:
+        if new:
+            self.cache = self._new_cache()
+        self.cache.length = 0
 
     # ------------------------------------------------------------------ protocol
-    def begin(self, ctx: DraftContext, prompt_aux: torch.Tensor | None) -> None:
-        if prompt_aux is None:
-            raise ValueError("the eagle3 drafter needs the target's aux hidden states (prefill with need_aux=True)")
-        n = prompt_aux.shape[0]
-        if n != ctx.prompt_len or len(ctx.tokens) != n + 1:
-            raise ValueError(f"prompt aux has {n} rows for a prompt of {ctx.prompt_len} tokens + 1 root")
-        self._check_aux(prompt_aux)
-        self._aux = torch.empty(max(256, 2 * n), 3 * self.arch.hidden_size, dtype=prompt_aux.dtype)
-        self._n_pairs = 0
-        self._encoded = 0
-        self.cache = self._new_cache()
-        self._append_aux(prompt_aux)
-
-    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
-        if outcome.aux_hidden is None:
-            raise ValueError("the eagle3 drafter needs aux hidden states at the accepted nodes")
-        if outcome.aux_hidden.shape[0] != len(outcome.accepted):
-            raise ValueError(f"aux rows {outcome.aux_hidden.shape[0]} != accepted nodes {len(outcome.accepted)}")
-        self._append_aux(outcome.aux_hidden)
-
     def propose(self, ctx: DraftContext) -> Proposal:
         tree, forwards, _ = self.draft(ctx, self.config.total_tokens - 1)
         return Proposal(tree=tree, drafter_forwards=forwards)
@@ -189,11 +118,7 @@ class Eagle3Drafter:
         drafted so far and the beam's cumulative log-probs ``[k]``; True ends drafting there
         (dynamic-depth pruning). Returns ``(tree, drafter forwards, levels drafted)``.
         """
-        if self._n_pairs != len(ctx.tokens) - 1:
-            raise RuntimeError(
-                f"eagle3 drafter holds {self._n_pairs} feature rows for a context of {len(ctx.tokens)} tokens "
-                "(begin/observe were not called for every step)"
-            )
+        self._check_context(ctx)
         with self._lock:
             forwards = 0
             if self._encoded < self._n_pairs:
@@ -205,23 +130,6 @@ class Eagle3Drafter:
         return tree, forwards + expansions, expansions + 1
 
     # ------------------------------------------------------------------ internals
-    def _check_aux(self, aux: torch.Tensor) -> None:
-        if aux.dim() != 2 or aux.shape[1] != 3 * self.arch.hidden_size:
-            raise ValueError(f"aux hidden states must be [n, {3 * self.arch.hidden_size}], got {tuple(aux.shape)}")
-
-    def _append_aux(self, rows: torch.Tensor) -> None:
-        self._check_aux(rows)
-        end = self._n_pairs + rows.shape[0]
-        if end > self._aux.shape[0]:
-            grown = self._aux.new_empty(max(end, 2 * self._aux.shape[0]), self._aux.shape[1])
-            grown[: self._n_pairs] = self._aux[: self._n_pairs]
-            self._aux = grown
-        self._aux[self._n_pairs : end] = rows.to(self._aux.dtype)
-        self._n_pairs = end
-
-    def _embed(self, target_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(target_ids, self.embed_weight).to(self.dtype)
-
     def _encode(self, tokens: list[int]) -> None:
         """One forward over the pending pairs ``(f_i, x_{i+1})``, i in [encoded, n_pairs)."""
         m = self.model
@@ -294,26 +202,7 @@ def random_model(target: Any, draft_vocab_size: int, seed: int = 0) -> Eagle3Mod
     """An untrained head for ``target``: random layer, draft vocabulary = the first N_d token ids,
     LM head initialised from the target's output rows of those ids."""
     arch = Eagle3Arch.from_target_config(target.model.config, target.vocab_size, draft_vocab_size)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Eagle3Model(arch)
-    model.set_vocab(torch.arange(arch.draft_vocab_size))
-    model.init_head_from_target(target.model.get_output_embeddings().weight.detach().float())
-    return model
-
-
-def resolve_checkpoint(checkpoint: str, live: TargetFingerprint) -> Path:
-    """The checkpoint path for ``checkpoint`` (``auto`` = the committed one matching the target)."""
-    if checkpoint == Eagle3Config.AUTO:
-        found = find_checkpoint(CHECKPOINT_ROOT, live)
-        if found is None:
-            raise CheckpointError(
-                f"no EAGLE-3 checkpoint for target {live.name!r} (hidden {live.hidden_size}, vocab "
-                f"{live.vocab_size}) under {CHECKPOINT_ROOT}; train one with `graftblock train eagle3`, "
-                f"pass eagle3.checkpoint: PATH, or use checkpoint: random"
-            )
-        return found
-    return Path(checkpoint).expanduser()
+    return untrained_head(Eagle3Model, arch, target, seed)
 
 
 def build_eagle3_drafter(config: Eagle3Config, target: Any) -> Eagle3Drafter:
@@ -324,7 +213,6 @@ def build_eagle3_drafter(config: Eagle3Config, target: Any) -> Eagle3Drafter:
     if config.checkpoint == Eagle3Config.RANDOM:
         model = random_model(target, config.draft_vocab_size, config.seed)
     else:
-        live = TargetFingerprint.from_target(target)
-        model = load_checkpoint(resolve_checkpoint(config.checkpoint, live), live)
+        model = load_for_target(config.checkpoint, target, EAGLE3)
     embed = target.model.get_input_embeddings().weight.detach()
     return Eagle3Drafter(config, model.to(dtype), embed)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculation.drafters.head import DraftVocabMixin, RMSNorm, rotate_half, target_dims
+
 
 @dataclass(frozen=True)
 class Eagle3Arch:
@@ -51,46 +53,14 @@ class Eagle3Arch:
     @classmethod
     def from_target_config(cls, config, target_vocab_size: int, draft_vocab_size: int) -> "Eagle3Arch":
         """Width, heads and FFN size of the target (a Llama-style HF config)."""
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = int(cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-        return cls(
-            hidden_size=int(cfg.hidden_size),
-            num_heads=heads,
-            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=head_dim,
-            intermediate_size=int(cfg.intermediate_size),
-            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            target_vocab_size=int(target_vocab_size),
-            draft_vocab_size=int(min(draft_vocab_size, target_vocab_size)),
-        )
+        return cls(**target_dims(config), target_vocab_size=int(target_vocab_size),
+                   draft_vocab_size=int(min(draft_vocab_size, target_vocab_size)))
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * w``, computed in fp32."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[-x2, x1]`` for ``x = [x1, x2]`` split on the last dim."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class Eagle3Model(nn.Module):
+class Eagle3Model(DraftVocabMixin, nn.Module):
     """Fusion + one decoder layer with a 2H attention input + draft LM head (see module docstring)."""
 
     def __init__(self, arch: Eagle3Arch) -> None:
@@ -110,59 +80,17 @@ class Eagle3Model(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, H, bias=False)
         self.final_norm = RMSNorm(H, arch.rms_norm_eps)
         self.lm_head = nn.Linear(H, arch.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.long))  # [N_d] offsets
-        self.register_buffer("t2d", torch.zeros(arch.target_vocab_size, dtype=torch.bool))  # [V]
-        self.t2d[: arch.draft_vocab_size] = True
-        inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2]
+        self._register_buffers()
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init
     def reset_parameters(self, std: float = 0.02) -> None:
-        for mod in self.modules():
-            if isinstance(mod, nn.Linear):
-                nn.init.normal_(mod.weight, std=std)
-            elif isinstance(mod, RMSNorm):
-                nn.init.ones_(mod.weight)
-
-    @torch.no_grad()
-    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """Set d2t/t2d from the sorted target ids of the draft vocabulary (``[N_d]`` int64)."""
-        ids = draft_to_target.to(torch.long).flatten()
-        if ids.numel() != self.arch.draft_vocab_size:
-            raise ValueError(f"need {self.arch.draft_vocab_size} draft ids, got {ids.numel()}")
-        if not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0 or int(ids[-1]) >= self.arch.target_vocab_size:
-            raise ValueError("draft ids must be strictly increasing target ids in [0, V)")
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    @torch.no_grad()
-    def init_head_from_target(self, target_head_weight: torch.Tensor) -> None:
-        """``W_lm[i] = W_target[draft_ids[i]]`` (the target's output rows of the kept tokens)."""
-        self.lm_head.weight.copy_(target_head_weight[self.draft_ids()].to(self.lm_head.weight.dtype))
-
-    # ------------------------------------------------------------------ vocab maps
-    def draft_ids(self) -> torch.Tensor:
-        """``[N_d]`` target id of every draft token: ``i + d2t[i]``."""
-        return torch.arange(self.arch.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    def target_to_draft(self) -> torch.Tensor:
-        """``[V]`` draft id of every target id, -1 where the token is not in the draft vocabulary."""
-        out = torch.full((self.arch.target_vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
-        out[self.draft_ids()] = torch.arange(self.arch.draft_vocab_size, device=self.d2t.device)
-        return out
+        self._default_init(std)
 
     # ------------------------------------------------------------------ pieces of the forward
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """``[..., 3H] -> [..., H]``: g = W_fc f."""
         return self.fc(aux.to(self.fc.weight.dtype))
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[S, hd]`` for integer ``positions`` ``[S]`` (Llama's rotate-half convention)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [S, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def qkv(
         self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor

@@ -34,27 +34,20 @@ Per request (ALGORITHMS.md section 4):
 
 from __future__ import annotations
 
-import copy
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from speculation.config import SpecBlockConfig
-from speculation.drafters.base import DraftContext, Proposal, StepOutcome, StopRule
-from speculation.drafters.checkpoint import (
-    SPECBLOCK,
-    CheckpointError,
-    TargetFingerprint,
-    find_checkpoint,
-    load_checkpoint,
-)
-from speculation.drafters.eagle3 import CHECKPOINT_ROOT, DraftKVCache
+from speculation.drafters.base import DraftContext, Proposal, StopRule
+from speculation.drafters.checkpoint import SPECBLOCK, load_for_target
+from speculation.drafters.eagle3 import DraftKVCache
 from speculation.drafters.eagle3_tree import CandidatePool, build_draft_tree, select_top
+from speculation.drafters.feature_pairs import FeaturePairsDrafter
+from speculation.drafters.head import untrained_head
 from speculation.drafters.specblock_model import RankClass, SpecBlockArch, SpecBlockModel
 from speculation.tree import DraftTree
 
@@ -105,7 +98,7 @@ class PendingLeaf:
     ttt: list[int]
 
 
-class SpecBlockDrafter:
+class SpecBlockDrafter(FeaturePairsDrafter):
     """SpecBlock block drafter (see the module docstring).
 
     Args:
@@ -115,46 +108,20 @@ class SpecBlockDrafter:
     """
 
     name = "specblock"
-    needs_aux = True
-    target_topk = 0
 
     def __init__(self, config: SpecBlockConfig, model: SpecBlockModel, embed_weight: torch.Tensor) -> None:
-        if embed_weight.shape != (model.arch.target_vocab_size, model.arch.hidden_size):
-            raise ValueError(
-                f"target embedding has shape {tuple(embed_weight.shape)}, the drafter expects "
-                f"[{model.arch.target_vocab_size}, {model.arch.hidden_size}]"
-            )
         if config.block_size > model.arch.block_size:
             raise ValueError(
                 f"specblock.block_size = {config.block_size} exceeds the checkpoint's K = {model.arch.block_size}"
             )
         self.config = config
-        self.embed_weight = embed_weight
-        self.model = model.eval()
-        self._draft_ids = model.draft_ids()
-        self._aux = torch.empty(0, 3 * model.arch.hidden_size)
-        self._n_pairs = 0
-        self._encoded = 0
+        self._init_pairs(model, embed_weight)
         self.caches = self._new_caches()
         self._block1: torch.Tensor | None = None  # [K, H] root anchor's block-1 outputs
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     @property
     def arch(self) -> SpecBlockArch:
         return self.model.arch
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
 
     @property
     def K(self) -> int:
@@ -165,44 +132,13 @@ class SpecBlockDrafter:
         a = self.model.arch
         return [DraftKVCache(a.num_kv_heads, a.head_dim, self.dtype, capacity=1024) for _ in range(a.num_layers)]
 
-    # ------------------------------------------------------------------ weights
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        fresh = copy.deepcopy(self.model)
-        fresh.load_state_dict(state_dict)
-        self.swap_model(fresh)
-
-    def swap_model(self, model: SpecBlockModel) -> None:
-        """Replace the network (same architecture); the context is re-encoded at the next propose."""
-        if model.arch != self.model.arch:
-            raise ValueError(f"cannot swap in a drafter of another architecture: {model.arch} != {self.model.arch}")
-        model = model.to(self.dtype).eval()
-        with self._lock:
-            self.model, self._draft_ids = model, model.draft_ids()
-            self._encoded = 0
-            for c in self.caches:
-                c.length = 0
+    def _reset_cache(self, new: bool) -> None:
+        if new:
+            self.caches = self._new_caches()
+        for c in self.caches:
+            c.length = 0
 
     # ------------------------------------------------------------------ protocol
-    def begin(self, ctx: DraftContext, prompt_aux: torch.Tensor | None) -> None:
-        if prompt_aux is None:
-            raise ValueError("the specblock drafter needs the target's aux hidden states (prefill with need_aux=True)")
-        n = prompt_aux.shape[0]
-        if n != ctx.prompt_len or len(ctx.tokens) != n + 1:
-            raise ValueError(f"prompt aux has {n} rows for a prompt of {ctx.prompt_len} tokens + 1 root")
-        self._check_aux(prompt_aux)
-        self._aux = torch.empty(max(256, 2 * n), 3 * self.arch.hidden_size, dtype=prompt_aux.dtype)
-        self._n_pairs = 0
-        self._encoded = 0
-        self.caches = self._new_caches()
-        self._append_aux(prompt_aux)
-
-    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
-        if outcome.aux_hidden is None:
-            raise ValueError("the specblock drafter needs aux hidden states at the accepted nodes")
-        if outcome.aux_hidden.shape[0] != len(outcome.accepted):
-            raise ValueError(f"aux rows {outcome.aux_hidden.shape[0]} != accepted nodes {len(outcome.accepted)}")
-        self._append_aux(outcome.aux_hidden)
-
     def propose(self, ctx: DraftContext) -> Proposal:
         tree, forwards, levels = self.draft(ctx, self.config.total_tokens - 1)
         return Proposal(tree=tree, drafter_forwards=forwards, stats={"blocks": float(levels // self.K)})
@@ -213,11 +149,7 @@ class SpecBlockDrafter:
     ) -> tuple[DraftTree, int, int]:
         """Grow block by block, asking ``stop(levels, pending scores)`` before each later block;
         keep the ``budget`` best nodes. Returns ``(tree, drafter forwards, levels drafted)``."""
-        if self._n_pairs != len(ctx.tokens) - 1:
-            raise RuntimeError(
-                f"specblock drafter holds {self._n_pairs} feature rows for a context of {len(ctx.tokens)} tokens "
-                "(begin/observe were not called for every step)"
-            )
+        self._check_context(ctx)
         with self._lock:
             forwards = 0
             if self._encoded < self._n_pairs:
@@ -230,23 +162,6 @@ class SpecBlockDrafter:
         return tree, forwards + blocks - 1, levels
 
     # ------------------------------------------------------------------ internals
-    def _check_aux(self, aux: torch.Tensor) -> None:
-        if aux.dim() != 2 or aux.shape[1] != 3 * self.arch.hidden_size:
-            raise ValueError(f"aux hidden states must be [n, {3 * self.arch.hidden_size}], got {tuple(aux.shape)}")
-
-    def _append_aux(self, rows: torch.Tensor) -> None:
-        self._check_aux(rows)
-        end = self._n_pairs + rows.shape[0]
-        if end > self._aux.shape[0]:
-            grown = self._aux.new_empty(max(end, 2 * self._aux.shape[0]), self._aux.shape[1])
-            grown[: self._n_pairs] = self._aux[: self._n_pairs]
-            self._aux = grown
-        self._aux[self._n_pairs : end] = rows.to(self._aux.dtype)
-        self._n_pairs = end
-
-    def _embed(self, target_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(target_ids, self.embed_weight).to(self.dtype)
-
     def _encode(self, tokens: list[int]) -> None:
         """Block 1 at the pending anchors [encoded, n_pairs); their K slots join the cross cache."""
         m, K = self.model, self.K
@@ -389,26 +304,7 @@ def random_model(target: Any, config: SpecBlockConfig) -> SpecBlockModel:
         target.model.config, target.vocab_size, config.draft_vocab_size, block_size=config.block_size,
         num_layers=config.num_layers, shift=config.shift,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        model = SpecBlockModel(arch)
-    model.set_vocab(torch.arange(arch.draft_vocab_size))
-    model.init_head_from_target(target.model.get_output_embeddings().weight.detach().float())
-    return model
-
-
-def resolve_checkpoint(checkpoint: str, live: TargetFingerprint) -> Path:
-    """The checkpoint path for ``checkpoint`` (``auto`` = the committed one matching the target)."""
-    if checkpoint == SpecBlockConfig.AUTO:
-        found = find_checkpoint(CHECKPOINT_ROOT, live, SPECBLOCK)
-        if found is None:
-            raise CheckpointError(
-                f"no SpecBlock checkpoint for target {live.name!r} (hidden {live.hidden_size}, vocab "
-                f"{live.vocab_size}) under {CHECKPOINT_ROOT}; train one with `graftblock train specblock`, "
-                f"pass specblock.checkpoint: PATH, or use checkpoint: random"
-            )
-        return found
-    return Path(checkpoint).expanduser()
+    return untrained_head(SpecBlockModel, arch, target, config.seed)
 
 
 def build_specblock_drafter(config: SpecBlockConfig, target: Any) -> SpecBlockDrafter:
@@ -418,8 +314,7 @@ def build_specblock_drafter(config: SpecBlockConfig, target: Any) -> SpecBlockDr
     if config.checkpoint == SpecBlockConfig.RANDOM:
         model = random_model(target, config)
     else:
-        live = TargetFingerprint.from_target(target)
-        model = load_checkpoint(resolve_checkpoint(config.checkpoint, live), live, kind=SPECBLOCK)
+        model = load_for_target(config.checkpoint, target, SPECBLOCK)
     embed = target.model.get_input_embeddings().weight.detach()
     return SpecBlockDrafter(config, model.to(target.dtype), embed)
 

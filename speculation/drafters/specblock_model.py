@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculation.drafters.eagle3_model import RMSNorm, rotate_half
+from speculation.drafters.head import DraftVocabMixin, RMSNorm, rotate_half, target_dims
 
 RANK_TOPK = 20
 """Draft logits the rank features look at (both in training and at inference)."""
@@ -95,22 +95,13 @@ class SpecBlockArch:
         shift: bool = True, intermediate_size: int | None = None,
     ) -> "SpecBlockArch":
         """Width and heads of the target; FFN width the target's unless ``intermediate_size`` is given."""
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = int(cfg.num_attention_heads)
-        rope = getattr(cfg, "rope_parameters", None) or {}
+        dims = target_dims(config)
+        if intermediate_size:
+            dims["intermediate_size"] = int(intermediate_size)
         return cls(
-            hidden_size=int(cfg.hidden_size),
-            num_heads=heads,
-            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
-            intermediate_size=int(intermediate_size or cfg.intermediate_size),
-            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
-            target_vocab_size=int(target_vocab_size),
-            draft_vocab_size=int(min(draft_vocab_size, target_vocab_size)),
-            block_size=int(block_size),
-            num_layers=int(num_layers),
-            shift=bool(shift),
+            **dims, target_vocab_size=int(target_vocab_size),
+            draft_vocab_size=int(min(draft_vocab_size, target_vocab_size)), block_size=int(block_size),
+            num_layers=int(num_layers), shift=bool(shift),
         )
 
     def to_dict(self) -> dict:
@@ -163,7 +154,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 attention over its own keys (cache, training mask or reference) plus these rows' keys."""
 
 
-class SpecBlockModel(nn.Module):
+class SpecBlockModel(DraftVocabMixin, nn.Module):
     """Condition/token/query fusion + L_d shifted decoder layers + draft LM head + rank head."""
 
     def __init__(self, arch: SpecBlockArch) -> None:
@@ -185,54 +176,18 @@ class SpecBlockModel(nn.Module):
         self.rank_head = nn.Sequential(
             nn.Linear(H + RANK_FEATURES, RANK_HIDDEN, bias=False), nn.SiLU(), nn.Linear(RANK_HIDDEN, 4, bias=False)
         )
-        self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.long))  # [N_d]
-        self.register_buffer("t2d", torch.zeros(arch.target_vocab_size, dtype=torch.bool))  # [V]
-        self.t2d[: arch.draft_vocab_size] = True
-        hd = arch.head_dim
-        inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2]
+        self._register_buffers()
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init and vocab
     def reset_parameters(self, std: float = 0.02) -> None:
-        for mod in self.modules():
-            if isinstance(mod, nn.Linear):
-                nn.init.normal_(mod.weight, std=std)
-            elif isinstance(mod, RMSNorm):
-                nn.init.ones_(mod.weight)
+        self._default_init(std)
         nn.init.normal_(self.queries, std=std)
         H = self.arch.hidden_size
         with torch.no_grad():  # [I, 0]: the shift starts as the identity on the current slot
             for lin in self.shift_proj:
                 lin.weight.zero_()
                 lin.weight[:, :H].copy_(torch.eye(H))
-
-    @torch.no_grad()
-    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """d2t/t2d from the strictly increasing target ids of the draft vocabulary ``[N_d]``."""
-        ids = draft_to_target.to(torch.long).flatten()
-        if ids.numel() != self.arch.draft_vocab_size:
-            raise ValueError(f"need {self.arch.draft_vocab_size} draft ids, got {ids.numel()}")
-        if not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0 or int(ids[-1]) >= self.arch.target_vocab_size:
-            raise ValueError("draft ids must be strictly increasing target ids in [0, V)")
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    @torch.no_grad()
-    def init_head_from_target(self, target_head_weight: torch.Tensor) -> None:
-        """``W_lm[i] = W_target[draft_ids[i]]``."""
-        self.lm_head.weight.copy_(target_head_weight[self.draft_ids()].to(self.lm_head.weight.dtype))
-
-    def draft_ids(self) -> torch.Tensor:
-        """``[N_d]`` target id of every draft token."""
-        return torch.arange(self.arch.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    def target_to_draft(self) -> torch.Tensor:
-        """``[V]`` draft id of every target id, -1 outside the draft vocabulary."""
-        out = torch.full((self.arch.target_vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
-        out[self.draft_ids()] = torch.arange(self.arch.draft_vocab_size, device=self.d2t.device)
-        return out
 
     # ------------------------------------------------------------------ pieces
     def condition_from_aux(self, aux: torch.Tensor) -> torch.Tensor:
@@ -242,11 +197,6 @@ class SpecBlockModel(nn.Module):
     def condition_from_parent(self, d: torch.Tensor) -> torch.Tensor:
         """Inherited condition of a later block: RMSNorm_c(d_prev) (no projection)."""
         return self.cond_norm(d)
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def _shift(self, layer: int, z: torch.Tensor) -> torch.Tensor:
         """``[B, R, K, H]``: z~_k = W_shift [z_k; z_{k-1}] with z_{-1} := z_0 (before layer >= 2)."""

@@ -1,0 +1,129 @@
+"""Bookkeeping shared by the drafters that read the target's features (EAGLE-3, SpecBlock).
+
+Both condition on committed *pairs* ``(f_i, x_{i+1})``: the target's fused aux features at token
+i and the token after it. ``begin`` stores the prompt's pairs (the last one carries the pending
+root); ``observe`` appends the aux at the accepted nodes (root first), which pair with the
+accepted tokens after them and the bonus token. A drafter encodes the pairs it has not encoded yet
+(``encoded .. n_pairs``) into its own KV cache at the next ``propose``; swapping the weights
+resets ``encoded`` to 0, so the whole context is re-encoded with the new weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from speculation.drafters.base import DraftContext, StepOutcome
+
+
+class FeaturePairsDrafter:
+    """Committed-pair store, KV-cache reset hooks, thread-safe weight swaps (see module docstring).
+
+    Subclasses set ``name``, ``model`` (with ``arch.hidden_size``), ``embed_weight`` and implement
+    :meth:`_reset_cache`.
+    """
+
+    name = "features"
+    needs_aux = True
+    target_topk = 0
+
+    def _init_pairs(self, model, embed_weight: torch.Tensor) -> None:
+        """Take the network and the target's ``[V, H]`` input embedding; empty pair store."""
+        if embed_weight.shape != (model.arch.target_vocab_size, model.arch.hidden_size):
+            raise ValueError(
+                f"target embedding has shape {tuple(embed_weight.shape)}, the drafter expects "
+                f"[{model.arch.target_vocab_size}, {model.arch.hidden_size}]"
+            )
+        self.embed_weight = embed_weight
+        self.model = model.eval()
+        self._draft_ids = model.draft_ids()
+        self._aux = torch.empty(0, 3 * self.model.arch.hidden_size)  # [capacity, 3H]
+        self._n_pairs = 0
+        self._encoded = 0
+        self._lock = threading.Lock()  # a swap never lands in the middle of a propose
+
+    def __getstate__(self) -> dict:
+        """Picklable (shipped to a DrafterWorker): the lock is per process, recreated on load."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    def _reset_cache(self, new: bool) -> None:
+        """Empty the drafter's KV cache (``new``: also reallocate it, for a new sequence)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ protocol
+    def begin(self, ctx: DraftContext, prompt_aux: torch.Tensor | None) -> None:
+        if prompt_aux is None:
+            raise ValueError(f"the {self.name} drafter needs the target's aux hidden states (prefill with need_aux=True)")
+        n = prompt_aux.shape[0]
+        if n != ctx.prompt_len or len(ctx.tokens) != n + 1:
+            raise ValueError(f"prompt aux has {n} rows for a prompt of {ctx.prompt_len} tokens + 1 root")
+        self._check_aux(prompt_aux)
+        self._aux = torch.empty(max(256, 2 * n), 3 * self.model.arch.hidden_size, dtype=prompt_aux.dtype)
+        self._n_pairs = 0
+        self._encoded = 0
+        self._reset_cache(new=True)
+        self._append_aux(prompt_aux)
+
+    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        if outcome.aux_hidden is None:
+            raise ValueError(f"the {self.name} drafter needs aux hidden states at the accepted nodes")
+        if outcome.aux_hidden.shape[0] != len(outcome.accepted):
+            raise ValueError(f"aux rows {outcome.aux_hidden.shape[0]} != accepted nodes {len(outcome.accepted)}")
+        self._append_aux(outcome.aux_hidden)
+
+    # ------------------------------------------------------------------ weights
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load weights into a copy of the network, then swap it in (atomic between steps)."""
+        fresh = copy.deepcopy(self.model)
+        fresh.load_state_dict(state_dict)
+        self.swap_model(fresh)
+
+    def swap_model(self, model) -> None:
+        """Replace the network (same architecture, cast to the drafter's dtype). Thread-safe
+        against ``propose``; the context is re-encoded with the new weights at the next propose."""
+        if model.arch != self.model.arch:
+            raise ValueError(f"cannot swap in a drafter of another architecture: {model.arch} != {self.model.arch}")
+        model = model.to(self.dtype).eval()
+        draft_ids = model.draft_ids()
+        with self._lock:
+            self.model, self._draft_ids = model, draft_ids
+            self._encoded = 0
+            self._reset_cache(new=False)
+
+    def _check_context(self, ctx: DraftContext) -> None:
+        if self._n_pairs != len(ctx.tokens) - 1:
+            raise RuntimeError(
+                f"{self.name} drafter holds {self._n_pairs} feature rows for a context of {len(ctx.tokens)} tokens "
+                "(begin/observe were not called for every step)"
+            )
+
+    def _check_aux(self, aux: torch.Tensor) -> None:
+        width = 3 * self.model.arch.hidden_size
+        if aux.dim() != 2 or aux.shape[1] != width:
+            raise ValueError(f"aux hidden states must be [n, {width}], got {tuple(aux.shape)}")
+
+    def _append_aux(self, rows: torch.Tensor) -> None:
+        self._check_aux(rows)
+        end = self._n_pairs + rows.shape[0]
+        if end > self._aux.shape[0]:
+            grown = self._aux.new_empty(max(end, 2 * self._aux.shape[0]), self._aux.shape[1])
+            grown[: self._n_pairs] = self._aux[: self._n_pairs]
+            self._aux = grown
+        self._aux[self._n_pairs : end] = rows.to(self._aux.dtype)
+        self._n_pairs = end
+
+    def _embed(self, target_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(target_ids, self.embed_weight).to(self.dtype)
