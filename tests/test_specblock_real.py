@@ -2,8 +2,8 @@
 
 Eight Spec-Bench questions (one per category, first turn, chat template), with (a) a randomly
 initialised head (32 new tokens: nearly every step rejects, exercising every draft path) and
-(b) the committed trained checkpoint (64 new tokens: long accepted paths through inherited
-blocks).
+(b) the committed trained checkpoint (64 new tokens: accepted paths through inherited blocks).
+Fixed-width trees (no rank head) are covered on the tiny model (``tests/test_specblock.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ def test_random_head_is_lossless(smol_fp32, spec_bench_refs):
     assert tau >= 1.0
 
 
-@pytest.mark.parametrize("rank_head", [True, False])
-def test_trained_checkpoint_is_lossless_and_accepts(smol_fp32, spec_bench_refs, rank_head):
+def test_trained_checkpoint_is_lossless_and_accepts(smol_fp32, spec_bench_refs):
+    """The rank head's widths and two blocks; 24-token trees keep the fp32 verify short."""
     found = find_checkpoint(CHECKPOINT_ROOT, TargetFingerprint.from_target(smol_fp32), SPECBLOCK)
     assert found is not None, f"the committed SpecBlock checkpoint for SmolLM2 is missing under {CHECKPOINT_ROOT}"
-    drafter = build_specblock_drafter(SpecBlockConfig(checkpoint="auto", rank_head=rank_head), smol_fp32)
+    drafter = build_specblock_drafter(SpecBlockConfig(checkpoint="auto", total_tokens=24), smol_fp32)
     tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
-    print(f"trained specblock (rank head {rank_head}) tau on 8 Spec-Bench prompts: {tau:.2f}")
+    print(f"trained specblock tau on 8 Spec-Bench prompts: {tau:.2f}")
     assert tau > 1.2
