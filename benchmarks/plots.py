@@ -78,7 +78,10 @@ def plot_tau_curve(manifest: Path) -> Path:
     ax.set_xlabel("training tokens")
     ax.set_ylabel("tau (tokens per step)")
     ax2.set_ylabel("top-1 accuracy")
-    ax.set_title(f"EAGLE-3 for {m['target']['name']}: eval tree {m['training']['config'].get('eval_tree')}", fontsize=9)
+    family = {"graftblock-specblock/1": "SpecBlock"}.get(m.get("format", ""), "EAGLE-3")
+    tree = m["training"]["config"].get("eval_tree") or {}
+    knobs = ", ".join(f"{k}={v}" for k, v in tree.items() if k != "slot_widths")
+    ax.set_title(f"{family} for {m['target']['name']}: held-out eval tree {knobs}", fontsize=8)
     fig.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     out = RESULTS / f"{manifest.parent.name}_tau_curve.png"
