@@ -86,16 +86,23 @@ def test_tiny_ray_equals_single_process(deployments, tiny, n_shards):
             assert generate_speculative(dep.backend, dep.drafter(costed), prompt, ENGINE).tokens == vanilla
 
 
+FEATURE_DRAFTERS = {
+    "eagle3": {"checkpoint": "random", "draft_vocab_size": 48, "total_tokens": 12, "depth": 3, "top_k": 3},
+    "specblock": {"checkpoint": "random", "draft_vocab_size": 48, "total_tokens": 12, "beam": 3, "block_size": 3},
+}
+
+
+@pytest.mark.parametrize("method", sorted(FEATURE_DRAFTERS))
 @pytest.mark.parametrize("n_shards", [1, 2])
-def test_tiny_ray_eagle3_equals_single_process(deployments, tiny, n_shards):
-    """A feature drafter (random EAGLE-3 head) reads aux hidden states gathered from the shards."""
-    spec = resolve_methods(["eagle3"], {"eagle3": {"checkpoint": "random", "draft_vocab_size": 48,
-                                                   "total_tokens": 12, "depth": 3, "top_k": 3}})[0]
+def test_tiny_ray_feature_drafters_equal_single_process(deployments, tiny, n_shards, method):
+    """Feature drafters (random EAGLE-3 and SpecBlock heads) read aux hidden states gathered from
+    the shards."""
+    spec = resolve_methods([method], {method: FEATURE_DRAFTERS[method]})[0]
     dep = deployments[n_shards]
     with single_thread():
         for prompt in _prompts(n_shards + 10):
             ref = generate_speculative(tiny, build_drafter(spec, tiny), prompt, ENGINE)
-            got = generate_speculative(dep.backend, dep.host_drafter("eagle3", build_drafter(spec, tiny)), prompt,
+            got = generate_speculative(dep.backend, dep.host_drafter(method, build_drafter(spec, tiny)), prompt,
                                        ENGINE)
             assert got.tokens == ref.tokens == generate_vanilla(tiny, prompt, ENGINE).tokens
             assert [(s.tree_size, s.accepted) for s in got.steps] == [(s.tree_size, s.accepted) for s in ref.steps]
@@ -209,14 +216,15 @@ def test_resources_the_cluster_lacks_fail_fast(ray_local, tiny_model_dir):  # no
 @pytest.mark.slow
 def test_smollm2_two_shards_equal_single_process(ray_local):  # noqa: F811
     """Real weights: 2 shards over Ray reproduce the in-process engine (fp32, 2 prompts, 32 tokens),
-    for the retrieval drafter and the trained EAGLE-3 checkpoint."""
+    for the retrieval drafter and the trained EAGLE-3 and SpecBlock checkpoints."""
     from speculation import assets
     from speculation.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer("smollm2-135m", torch.float32)
     target = TargetModel(model, tok)
-    specs = resolve_methods(["retrieval", "eagle3"], {"retrieval": {"cost_aware": False},
-                                                      "eagle3": {"total_tokens": 24}})
+    specs = resolve_methods(["retrieval", "eagle3", "specblock"], {"retrieval": {"cost_aware": False},
+                                                                   "eagle3": {"total_tokens": 24},
+                                                                   "specblock": {"total_tokens": 24}})
     engine = EngineConfig(max_new_tokens=32)
     prompts = [
         "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry.",
@@ -233,7 +241,7 @@ def test_smollm2_two_shards_equal_single_process(ray_local):  # noqa: F811
         for text in prompts:
             ids = assets.encode_turn(tok, [], text)
             vanilla = generate_vanilla(target, ids, engine).tokens
-            for spec in specs:  # retrieval, and the committed trained EAGLE-3 checkpoint
+            for spec in specs:  # retrieval, and the committed trained checkpoints
                 ref = generate_speculative(target, build_drafter(spec, target), ids, engine)
                 got = generate_speculative(dep.backend, dep.drafter(spec), ids, engine)
                 assert got.tokens == ref.tokens == vanilla, spec.name
