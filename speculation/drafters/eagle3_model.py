@@ -19,45 +19,24 @@ module provides the projections before and the residual blocks after it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculation.drafters.head import DraftVocabMixin, RMSNorm, rotate_half, target_dims
+from speculation.drafters.head import DraftVocabMixin, HeadArch, RMSNorm, rotate_half, target_dims
 
 
 @dataclass(frozen=True)
-class Eagle3Arch:
+class Eagle3Arch(HeadArch):
     """Shape of an EAGLE-3 head; derived from the target's config plus the draft vocabulary size."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    target_vocab_size: int
-    draft_vocab_size: int
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if not 1 <= self.draft_vocab_size <= self.target_vocab_size:
-            raise ValueError(
-                f"draft_vocab_size must be in [1, target_vocab_size={self.target_vocab_size}], got {self.draft_vocab_size}"
-            )
 
     @classmethod
     def from_target_config(cls, config, target_vocab_size: int, draft_vocab_size: int) -> "Eagle3Arch":
         """Width, heads and FFN size of the target (a Llama-style HF config)."""
         return cls(**target_dims(config), target_vocab_size=int(target_vocab_size),
                    draft_vocab_size=int(min(draft_vocab_size, target_vocab_size)))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class Eagle3Model(DraftVocabMixin, nn.Module):

@@ -7,6 +7,7 @@ A head drafts over N_d of the target's V tokens. Buffers: ``d2t`` ``[N_d]`` offs
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -46,6 +47,32 @@ def target_dims(config: Any) -> dict[str, Any]:
         "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
         "rope_theta": float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
     }
+
+
+@dataclass(frozen=True)
+class HeadArch:
+    """What every draft head copies from the target, plus its draft vocabulary size."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_vocab_size: int
+    draft_vocab_size: int
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 1 <= self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [1, target_vocab_size={self.target_vocab_size}], got {self.draft_vocab_size}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class DraftVocabMixin:

@@ -31,13 +31,13 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculation.drafters.head import DraftVocabMixin, RMSNorm, rotate_half, target_dims
+from speculation.drafters.head import DraftVocabMixin, HeadArch, RMSNorm, rotate_half, target_dims
 
 RANK_TOPK = 20
 """Draft logits the rank features look at (both in training and at inference)."""
@@ -61,29 +61,15 @@ def rank_bucket(rank: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class SpecBlockArch:
+class SpecBlockArch(HeadArch):
     """Shape of a SpecBlock head; width, heads and FFN come from the target's config."""
 
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    target_vocab_size: int
-    draft_vocab_size: int
     block_size: int = 4
     num_layers: int = 2
     shift: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if not 1 <= self.draft_vocab_size <= self.target_vocab_size:
-            raise ValueError(
-                f"draft_vocab_size must be in [1, target_vocab_size={self.target_vocab_size}], got {self.draft_vocab_size}"
-            )
+        super().__post_init__()
         if not 1 <= self.block_size <= 16:
             raise ValueError(f"block_size must be in [1, 16], got {self.block_size}")
         if not 1 <= self.num_layers <= 8:
@@ -103,9 +89,6 @@ class SpecBlockArch:
             draft_vocab_size=int(min(draft_vocab_size, target_vocab_size)), block_size=int(block_size),
             num_layers=int(num_layers), shift=bool(shift),
         )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def rank_features(logits: torch.Tensor) -> torch.Tensor:
