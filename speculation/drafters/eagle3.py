@@ -20,7 +20,7 @@ keeps the aux history, so the next ``propose`` re-encodes the context with the n
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +29,9 @@ from speculation.config import Eagle3Config
 from speculation.drafters.base import DraftContext, Proposal, StopRule
 from speculation.drafters.checkpoint import CHECKPOINT_ROOT, EAGLE3, load_for_target
 from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
-from speculation.drafters.eagle3_tree import CandidatePool, build_draft_tree, select_top
+from speculation.drafters.eagle3_tree import CandidatePool
 from speculation.drafters.feature_pairs import FeaturePairsDrafter
 from speculation.drafters.head import untrained_head
-from speculation.tree import DraftTree
 
 __all__ = ["CHECKPOINT_ROOT", "DraftKVCache", "Eagle3Drafter", "build_eagle3_drafter", "random_model"]
 
@@ -107,27 +106,11 @@ class Eagle3Drafter(FeaturePairsDrafter):
         tree, forwards, _ = self.draft(ctx, self.config.total_tokens - 1)
         return Proposal(tree=tree, drafter_forwards=forwards)
 
-    @torch.inference_mode()
-    def draft(
-        self, ctx: DraftContext, budget: int | Callable[[int], int], stop: StopRule | None = None
-    ) -> tuple[DraftTree, int, int]:
-        """Grow the beam, stopping early where ``stop`` says so; keep the ``budget`` best nodes.
-
-        ``budget`` may depend on the levels drafted (a callable ``levels -> nodes``).
-        ``stop(levels, beam_scores)`` is asked before each expansion with the number of levels
-        drafted so far and the beam's cumulative log-probs ``[k]``; True ends drafting there
-        (dynamic-depth pruning). Returns ``(tree, drafter forwards, levels drafted)``.
-        """
-        self._check_context(ctx)
-        with self._lock:
-            forwards = 0
-            if self._encoded < self._n_pairs:
-                self._encode(ctx.tokens)
-                forwards += 1
-            pool, expansions = self._grow(stop)
-            keep = budget(expansions + 1) if callable(budget) else budget
-            tree = build_draft_tree(ctx.root_token, pool, select_top(pool, keep), self._draft_ids)
-        return tree, forwards + expansions, expansions + 1
+    def _grow_pool(self, stop: StopRule | None) -> tuple[CandidatePool, int, int]:
+        """Beam expansion; ``stop(levels, beam cumulative log-probs [k])`` is asked before each
+        expansion (dynamic-depth pruning). Returns (pool, expansion forwards, levels drafted)."""
+        pool, expansions = self._grow(stop)
+        return pool, expansions, expansions + 1
 
     # ------------------------------------------------------------------ internals
     def _encode(self, tokens: list[int]) -> None:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from speculation.drafters.base import DraftContext, StepOutcome
+from speculation.drafters.base import DraftContext, StepOutcome, StopRule
+from speculation.drafters.eagle3_tree import CandidatePool, build_draft_tree, select_top
+from speculation.tree import DraftTree
 
 
 class FeaturePairsDrafter:
@@ -83,6 +86,35 @@ class FeaturePairsDrafter:
         if outcome.aux_hidden.shape[0] != len(outcome.accepted):
             raise ValueError(f"aux rows {outcome.aux_hidden.shape[0]} != accepted nodes {len(outcome.accepted)}")
         self._append_aux(outcome.aux_hidden)
+
+    @torch.inference_mode()
+    def draft(
+        self, ctx: DraftContext, budget: int | Callable[[int], int], stop: StopRule | None = None
+    ) -> tuple[DraftTree, int, int]:
+        """Encode the pending pairs (one forward), grow the candidate pool (asking ``stop`` before
+        each further level or block), keep the ``budget`` best nodes (``budget`` may depend on the
+        levels drafted: a callable ``levels -> nodes``).
+
+        Returns ``(tree, drafter forwards, levels drafted)`` (the :class:`StagedDrafter` contract).
+        """
+        self._check_context(ctx)
+        with self._lock:
+            forwards = 0
+            if self._encoded < self._n_pairs:
+                self._encode(ctx.tokens)
+                forwards += 1
+            pool, grow_forwards, levels = self._grow_pool(stop)
+            keep = budget(levels) if callable(budget) else budget
+            tree = build_draft_tree(ctx.root_token, pool, select_top(pool, keep), self._draft_ids)
+        return tree, forwards + grow_forwards, levels
+
+    def _encode(self, tokens: list[int]) -> None:
+        """Encode pairs ``[encoded, n_pairs)`` into the drafter's cache (one forward)."""
+        raise NotImplementedError
+
+    def _grow_pool(self, stop: StopRule | None) -> tuple[CandidatePool, int, int]:
+        """Draft from the encoded context: (pool, forwards spent, levels drafted)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ weights
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

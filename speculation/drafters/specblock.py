@@ -34,7 +34,6 @@ Per request (ALGORITHMS.md section 4):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +44,10 @@ from speculation.config import SpecBlockConfig
 from speculation.drafters.base import DraftContext, Proposal, StopRule
 from speculation.drafters.checkpoint import SPECBLOCK, load_for_target
 from speculation.drafters.eagle3 import DraftKVCache
-from speculation.drafters.eagle3_tree import CandidatePool, build_draft_tree, select_top
+from speculation.drafters.eagle3_tree import CandidatePool
 from speculation.drafters.feature_pairs import FeaturePairsDrafter
 from speculation.drafters.head import untrained_head
 from speculation.drafters.specblock_model import RankClass, SpecBlockArch, SpecBlockModel
-from speculation.tree import DraftTree
 
 SLOT0_CAPS = ((0.9, 3), (0.8, 5), (0.6, 8))
 """Adaptive width of slot 0: ``(p0 threshold, cap)``, first match wins."""
@@ -143,23 +141,11 @@ class SpecBlockDrafter(FeaturePairsDrafter):
         tree, forwards, levels = self.draft(ctx, self.config.total_tokens - 1)
         return Proposal(tree=tree, drafter_forwards=forwards, stats={"blocks": float(levels // self.K)})
 
-    @torch.inference_mode()
-    def draft(
-        self, ctx: DraftContext, budget: int | Callable[[int], int], stop: StopRule | None = None
-    ) -> tuple[DraftTree, int, int]:
-        """Grow block by block, asking ``stop(levels, pending scores)`` before each later block;
-        keep the ``budget`` best nodes. Returns ``(tree, drafter forwards, levels drafted)``."""
-        self._check_context(ctx)
-        with self._lock:
-            forwards = 0
-            if self._encoded < self._n_pairs:
-                self._encode(ctx.tokens)
-                forwards += 1
-            pool, blocks = self._grow(stop)
-            levels = blocks * self.K
-            keep = budget(levels) if callable(budget) else budget
-            tree = build_draft_tree(ctx.root_token, pool, select_top(pool, keep), self._draft_ids)
-        return tree, forwards + blocks - 1, levels
+    def _grow_pool(self, stop: StopRule | None) -> tuple[CandidatePool, int, int]:
+        """Block by block; ``stop(levels, pending-leaf scores)`` is asked before each later block.
+        Returns (pool, later-block forwards, levels drafted = blocks x K)."""
+        pool, blocks = self._grow(stop)
+        return pool, blocks - 1, blocks * self.K
 
     # ------------------------------------------------------------------ internals
     def _encode(self, tokens: list[int]) -> None:
