@@ -56,7 +56,8 @@ class BlockLossResult:
     valid prefix when the mask is on); ``slot_count[b][k]``: those rows; ``rank_acc``: rank-class
     accuracy over all counted rank rows. ``counted[b]`` ``[B*S, K]``: rows the draft loss counted;
     ``correct[b]``: top-1 agreement where it was computed (False elsewhere); ``hidden[b]``
-    ``[B, S, K, H]``: the block's outputs d.
+    ``[B, S, K, H]``: the block's outputs d; ``slot_losses[b][k]``: the weighted term
+    ``w^k L_{b,k}`` (None where no row counted), for diagnostics such as per-term gradient norms.
     """
 
     loss: torch.Tensor
@@ -69,6 +70,7 @@ class BlockLossResult:
     counted: list[torch.Tensor]
     correct: list[torch.Tensor]
     hidden: list[torch.Tensor]
+    slot_losses: list[list[torch.Tensor | None]]
 
 
 def valid_prefix(correct: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -138,6 +140,7 @@ def block_forward(
     counted_all: list[torch.Tensor] = []
     correct_all: list[torch.Tensor] = []
     hidden: list[torch.Tensor] = []
+    slot_losses: list[list[torch.Tensor | None]] = []
     d = None
     for b in range(blocks):
         if b > 0:
@@ -164,6 +167,7 @@ def block_forward(
         chain = torch.ones(B * S, dtype=torch.bool)
         rchain = torch.ones(B * S, dtype=torch.bool)
         accs, counts = [], []
+        terms: list[torch.Tensor | None] = []
         counted = torch.zeros(B * S, K, dtype=torch.bool)
         correct_bk = torch.zeros(B * S, K, dtype=torch.bool)
         rank_terms, rank_weights = [], []
@@ -176,6 +180,7 @@ def block_forward(
             rows = need.nonzero().squeeze(-1)
             if rows.numel() == 0:
                 accs.append(float("nan"))
+                terms.append(None)
                 counts.append(0)
                 chain = torch.zeros_like(chain)
                 rchain = torch.zeros_like(rchain)
@@ -189,11 +194,13 @@ def block_forward(
             correct_bk[rows, k] = correct
             if bool(use.any()):
                 lk = loss_rows[use].mean()
-                total = total + (position_weight**k) * lk
+                terms.append((position_weight**k) * lk)
+                total = total + terms[-1]
                 draft_sum += float(lk.detach()) * position_weight**k
                 accs.append(float(correct[use].float().mean()))
             else:
                 accs.append(float("nan"))
+                terms.append(None)
             counts.append(int(use.sum()))
             new_chain = torch.zeros_like(chain)
             new_chain[rows] = correct & use
@@ -228,8 +235,9 @@ def block_forward(
         slot_count.append(counts)
         counted_all.append(counted)
         correct_all.append(correct_bk)
+        slot_losses.append(terms)
     return BlockLossResult(
         loss=total, draft_loss=draft_sum, rank_loss=rank_sum, slot_acc=slot_acc, slot_count=slot_count,
         rank_acc=rank_right / rank_rows if rank_rows else float("nan"), offsets=offsets,
-        counted=counted_all, correct=correct_all, hidden=hidden,
+        counted=counted_all, correct=correct_all, hidden=hidden, slot_losses=slot_losses,
     )
