@@ -25,6 +25,7 @@ SECTIONS: dict[str, str] = {
     "eagle3_graft_specbench_bf16": "EAGLE-3 tree budgets and the Graft ablation (bf16)",
     "graft_specbench_fp32": "Graft ablation (fp32)",
     "specblock_specbench_bf16": "SpecBlock against EAGLE-3, and its ablations (bf16)",
+    "specblock_grad_terms": "SpecBlock training: per-slot gradient norms with and without the valid-prefix mask",
     "verify_curve": "Verify cost curve c(T)",
     "ray_overhead": "Ray actor path: per-step overhead of sharding",
     "retrieval_scaling": "Retrieval proposal cost against context length",
@@ -172,6 +173,17 @@ def render_scaling(res: dict) -> list[str]:
     return lines
 
 
+def render_grad_terms(res: dict) -> list[str]:
+    """Per-slot gradient norms of block 1's weighted slot losses, masked vs unmasked."""
+    lines = [f"Checkpoint `{res['checkpoint']}`, {res['batches']} cached training batches.", "",
+             "| mode | rows per slot (0..K-1) | gradient norm per slot term | global norm |", "|---|---|---|---|"]
+    for mode, m in res["modes"].items():
+        rows = " / ".join(_f(r, 0) for r in m["slot_rows"])
+        norms = " / ".join(_f(g, 2) for g in m["slot_grad_norm"])
+        lines.append(f"| {mode} | {rows} | {norms} | {_f(m['total_grad_norm'], 2)} |")
+    return lines
+
+
 def render_curve(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**; median seconds of one verify + KV commit over a 256-token context.", ""]
     curves = res["curves"]
@@ -204,9 +216,11 @@ def main() -> int:
             out += render_ray_overhead(res)
         elif kind == "retrieval_scaling":
             out += render_scaling(res)
+        elif kind == "specblock_grad_terms":
+            out += render_grad_terms(res)
         elif "methods" in res:
             out += render_bench(res)
-            if any(m.get("config", {}).get("type") in ("eagle3", "graft") for m in res["methods"].values()):
+            if any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values()):
                 out += render_drafter_details(res)
         for png in sorted(RESULTS.glob(f"{path.stem}*.png")):
             out += ["", f"![{png.stem}]({png.relative_to(ROOT)})"]

@@ -44,7 +44,26 @@ def main(argv: list[str] | None = None) -> int:
     t2d = head.target_to_draft()
     shard = FeatureCache(args.features).load(args.shard)
     plan = plan_batches(shard.lengths(), args.batch_tokens, seed=0)[: args.batches]
-    out: dict = {"checkpoint": args.checkpoint, "batches": len(plan), "modes": {}}
+    import datetime
+    import platform
+    import shlex
+    import sys
+
+    import transformers
+
+    out: dict = {
+        "kind": "specblock_grad_terms",
+        "command": ".venv/bin/python benchmarks/specblock_grad_terms.py " + " ".join(shlex.quote(a) for a in
+                                                                                 (argv or sys.argv[1:])),
+        "env": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "cpu": platform.processor() or platform.machine(), "cpu_count": __import__("os").cpu_count(),
+                "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "git_commit": __import__("subprocess").run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                           text=True).stdout.strip()},
+        "model": "smollm2-135m", "dtype": "bfloat16 autocast",
+        "checkpoint": args.checkpoint, "batches": len(plan), "modes": {},
+    }
     for mode, masked in (("valid_prefix_mask", True), ("no_mask", False)):
         per_slot = [[] for _ in range(head.arch.block_size)]
         rows = [[] for _ in range(head.arch.block_size)]
