@@ -10,6 +10,7 @@ resets ``encoded`` to 0, so the whole context is re-encoded with the new weights
 
 from __future__ import annotations
 
+import abc
 import copy
 import threading
 from collections.abc import Callable
@@ -22,11 +23,11 @@ from speculation.drafters.eagle3_tree import CandidatePool, build_draft_tree, se
 from speculation.tree import DraftTree
 
 
-class FeaturePairsDrafter:
+class FeaturePairsDrafter(abc.ABC):
     """Committed-pair store, KV-cache reset hooks, thread-safe weight swaps (see module docstring).
 
-    Subclasses set ``name``, ``model`` (with ``arch.hidden_size``), ``embed_weight`` and implement
-    :meth:`_reset_cache`.
+    Subclasses set ``name``, call :meth:`_init_pairs` and implement the abstract
+    :meth:`_reset_cache`, :meth:`_encode` and :meth:`_grow_pool`.
     """
 
     name = "features"
@@ -62,9 +63,9 @@ class FeaturePairsDrafter:
     def dtype(self) -> torch.dtype:
         return self.model.lm_head.weight.dtype
 
+    @abc.abstractmethod
     def _reset_cache(self, new: bool) -> None:
         """Empty the drafter's KV cache (``new``: also reallocate it, for a new sequence)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ protocol
     def begin(self, ctx: DraftContext, prompt_aux: torch.Tensor | None) -> None:
@@ -108,13 +109,13 @@ class FeaturePairsDrafter:
             tree = build_draft_tree(ctx.root_token, pool, select_top(pool, keep), self._draft_ids)
         return tree, forwards + grow_forwards, levels
 
+    @abc.abstractmethod
     def _encode(self, tokens: list[int]) -> None:
         """Encode pairs ``[encoded, n_pairs)`` into the drafter's cache (one forward)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _grow_pool(self, stop: StopRule | None) -> tuple[CandidatePool, int, int]:
         """Draft from the encoded context: (pool, forwards spent, levels drafted)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ weights
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

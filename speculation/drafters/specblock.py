@@ -163,7 +163,7 @@ class SpecBlockDrafter(FeaturePairsDrafter):
         local = (qa[None, :] < qa[:, None]) | ((qa[None, :] == qa[:, None]) & (qk[None, :] <= qk[:, None]))
         mask = torch.cat((torch.ones(P * K, n0 * K, dtype=torch.bool), local), dim=1)  # [P*K, n1*K]
         for c in self.caches:
-            c.ensure(n1 * K + self._scratch_rows())
+            c.ensure(n1 * K)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache = self.caches[li]
@@ -230,7 +230,7 @@ class SpecBlockDrafter(FeaturePairsDrafter):
         cond = m.condition_from_parent(torch.stack([p.cond for p in pending]))[None]  # [1, L, H]
         emb = self._embed(self._draft_ids[torch.tensor([p.token for p in pending])])[None]  # [1, L, H]
         pos = (n + torch.arange(K)).expand(L, K)  # the root anchor's positions
-        cols = scratch + L * K
+        cols = scratch + L * K  # capacity reserved by _grow: ensure() here would drop earlier scratch rows
         mask = torch.zeros(L * K, cols, dtype=torch.bool)
         mask[:, : (n - 1) * K] = True
         own = torch.arange(K)
@@ -238,8 +238,6 @@ class SpecBlockDrafter(FeaturePairsDrafter):
             r = slice(li * K, (li + 1) * K)
             mask[r, p.ttt] = True
             mask[r, scratch + li * K : scratch + (li + 1) * K] = own[None, :] <= own[:, None]
-        for c in self.caches:
-            c.ensure(cols)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache = self.caches[li]
@@ -254,6 +252,8 @@ class SpecBlockDrafter(FeaturePairsDrafter):
         cfg, K = self.config, self.K
         assert self._block1 is not None
         n = self._encoded
+        for c in self.caches:  # room for every later block's rows (at most beam leaves x K each)
+            c.ensure(n * K + self._scratch_rows())
         root_rows = list(range((n - 1) * K, n * K))
         pool = CandidatePool()
         logp, classes, top_prob = self._heads(self._block1[None])
