@@ -21,7 +21,7 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup assets demo test bench-foundation clean-venv
+.PHONY: setup assets demo lint-imports test bench-foundation clean-venv
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -40,7 +40,10 @@ demo: assets
 	$(GRAFTBLOCK) bench --methods vanilla,retrieval --dataset mixed --max-new-tokens 96 \
 		--dtype float32 --json runs/demo.json --experiment graftblock-demo
 
-test: assets
+lint-imports: setup
+	$(VENV)/bin/lint-imports
+
+test: assets lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean-venv:

@@ -1,6 +1,6 @@
 """SpecBlock training forward: TTT blocks, the valid-prefix mask, position weights and the rank loss.
 
-Notation for one right-padded sequence of length S (as in :mod:`adaptation.eagle3_ttt`): ``x_t``
+Notation for one right-padded sequence of length S (as in :mod:`adaptation.eagle3_loss`): ``x_t``
 tokens, ``f_t`` aux features, ``z_t`` the target's (top-K) logits at t, ``m_t`` the assistant mask.
 
 **Blocks.** Block 1 runs at every anchor i with condition ``W_c f_i`` and token ``x_{i+1}``; its
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adaptation.eagle3_ttt import TTTBatch, _shift, soft_cross_entropy
+from adaptation.eagle3_loss import TTTBatch, _shift, soft_cross_entropy
 from speculation.drafters.specblock_model import SpecBlockModel, rank_bucket
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from adaptation.eagle3_batches import make_batch, plan_batches
-from adaptation.eagle3_eval import tau_of
-from adaptation.eagle3_train import Eagle3Trainer, Eagle3TrainConfig, _check
+from adaptation.batches import make_batch, plan_batches
+from adaptation.evaluation import tau_of
+from adaptation.trainer import Eagle3Trainer, Eagle3TrainConfig, _check
 from adaptation.specblock_loss import block_forward
 from speculation.config import SpecBlockConfig, to_dict
 from speculation.drafters.checkpoint import SPECBLOCK
@@ -71,7 +71,7 @@ class SpecBlockTrainConfig(Eagle3TrainConfig):
 
 
 class SpecBlockTrainer(Eagle3Trainer):
-    """Trains one SpecBlock head (see :class:`~adaptation.eagle3_train.Eagle3Trainer`)."""
+    """Trains one SpecBlock head (see :class:`~adaptation.trainer.Eagle3Trainer`)."""
 
     kind = SPECBLOCK
     label = "specblock"
@@ -146,7 +146,7 @@ class SpecBlockTrainer(Eagle3Trainer):
 
 def train_config(args: Any) -> SpecBlockTrainConfig:
     """:class:`SpecBlockTrainConfig` from parsed ``train specblock`` arguments."""
-    from adaptation.eagle3_cli import train_config as eagle3_config
+    from graftblock.train import train_config as eagle3_config
 
     base = asdict(eagle3_config(args))
     base.pop("eval_tree")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from adaptation.eagle3_batches import make_batch, plan_batches
-from adaptation.eagle3_features import FeatureCache
+from adaptation.batches import make_batch, plan_batches
+from adaptation.features import FeatureCache
 from adaptation.specblock_loss import block_forward
 from speculation import assets
 from speculation.drafters.checkpoint import SPECBLOCK, TargetFingerprint, load_checkpoint

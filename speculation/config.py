@@ -155,7 +155,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class GraftConfig:
-    """Knobs of Graft (``speculation/graft.py``; ALGORITHMS.md sections 0, 5, 6).
+    """Knobs of Graft (``speculation/drafters/graft.py``; ALGORITHMS.md sections 0, 5, 6).
 
     Per step the EAGLE-3 drafter grows its beam level by level and may stop at each *stage* (a
     drafter depth) when the beam's path mass ``sum_b exp(S_b)`` falls under ``threshold``; stage 0

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from speculation.config import ConfigError
-from sweeps import tracking
+import tracking
 
 COLUMNS = ("speedup", "tau", "tokens_per_s", "mean_tree_size", "drafting_share")
 

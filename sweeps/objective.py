@@ -20,7 +20,7 @@ from typing import Any
 from ray import tune
 
 from speculation.config import BenchConfig
-from sweeps import tracking
+import tracking
 
 #: Metrics every trial reports to Tune (and logs to MLflow without a method prefix).
 TRIAL_METRICS = (

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
-from sweeps import tracking
+import tracking
 
 KILLED_ATTR = "graftblock.killed"
 

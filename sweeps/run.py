@@ -72,7 +72,8 @@ def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, trials_override: int | Non
     from ray.tune.search.optuna import OptunaSearch
 
     from cluster.deploy import ensure_ray
-    from sweeps import resume, tracking
+    import tracking
+    from sweeps import resume
     from sweeps.objective import BenchTrainable, TrialContext
     from sweeps.progress import SweepProgress
 
@@ -166,7 +167,7 @@ def _finish_parent(uri: str, parent: str, report, study, total: int) -> None:
     import mlflow
     from optuna.trial import TrialState
 
-    from sweeps import tracking
+    import tracking
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from sweeps.tracking import TrackingError
+        from tracking import TrackingError
 
         if isinstance(exc, TrackingError):
             print(f"sweep: error: {exc}", file=sys.stderr)

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from cluster.cli import main as cli_main
+from graftblock.cli import main as cli_main
 from speculation import assets
 from speculation.bench.runner import run_bench
 from speculation.config import BenchConfig

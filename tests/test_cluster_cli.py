@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from cluster import cli
+from graftblock import cli
 from tests.helpers import tiny_llama
 from tests.ray_fixtures import ray_local  # noqa: F401  (fixture)
 

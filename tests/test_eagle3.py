@@ -3,7 +3,7 @@ weight swaps and checkpoints.
 
 * Greedy fp32 speculative output equals vanilla token for token (random head).
 * Every pool node's score equals the cumulative log-prob a from-scratch TTT unroll
-  (adaptation.eagle3_ttt) gives along that node's path: the cached, tree-masked inference
+  (adaptation.eagle3_loss) gives along that node's path: the cached, tree-masked inference
   attention and the training-time-test attention pattern compute the same function.
 * Checkpoints round-trip; a checkpoint for another target, hidden size or vocabulary is refused.
 """
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from adaptation.eagle3_ttt import ttt_unroll
+from adaptation.eagle3_loss import ttt_unroll
 from speculation.config import ConfigError, Eagle3Config, EngineConfig, SamplingConfig
 from speculation.drafters import DrafterType, build_drafter, resolve_methods
 from speculation.drafters.base import DraftContext, Drafter

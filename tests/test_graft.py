@@ -1,4 +1,4 @@
-"""Graft (speculation/graft.py) on a tiny random Llama: the hybrid tree's invariants, the stage
+"""Graft (speculation/drafters/graft.py) on a tiny random Llama: the hybrid tree's invariants, the stage
 decisions, the adjacency-table feedback, K_max sizing, config errors and greedy exactness.
 
 Greedy fp32 output must equal vanilla token for token for every prune stage, "retrieval only"
@@ -20,7 +20,7 @@ from speculation.cost import VerifyCostModel
 from speculation.drafters import build_drafter, resolve_methods
 from speculation.drafters.base import DraftContext, StepOutcome
 from speculation.engine import generate_speculative, generate_vanilla
-from speculation.graft import GraftDrafter, RankAcceptance, graft
+from speculation.drafters.graft import GraftDrafter, RankAcceptance, graft
 from speculation.tree import ROOT, DraftTree, NodeSource
 from tests.helpers import RecordingDrafter, shared_tiny_llama, tiny_target
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from speculation.config import GraftConfig
-from speculation.graft import build_graft_drafter
+from speculation.drafters.graft import build_graft_drafter
 from tests.helpers import RecordingDrafter, assert_lossless_on_refs
 
 pytestmark = pytest.mark.slow

@@ -55,7 +55,7 @@ from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import build_specblock_drafter
 from speculation.engine import generate_speculative, generate_vanilla
-from speculation.graft import build_graft_drafter
+from speculation.drafters.graft import build_graft_drafter
 from speculation.tree import ROOT, DraftTree
 from tests.helpers import RandomTreeDrafter, full_logits, shared_tiny_llama, tiny_target
 

@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-from adaptation.eagle3_data import regenerate, regenerated_samples
-from adaptation.eagle3_train import TrainData
-from adaptation.eagle3_ttt import TTTBatch
+from adaptation.data import regenerate, regenerated_samples
+from adaptation.trainer import TrainData
+from adaptation.eagle3_loss import TTTBatch
 from adaptation.specblock_loss import block_forward, block_masks, rank_soft_labels, valid_prefix
 from adaptation.specblock_train import SpecBlockTrainConfig, SpecBlockTrainer
 from speculation.config import ConfigError, EngineConfig, SamplingConfig, SpecBlockConfig

@@ -208,7 +208,7 @@ def _study(root: Path, name: str):
 def _trial_runs(root: Path, experiment: str, study: str):
     import mlflow
 
-    from sweeps import tracking
+    import tracking
 
     uri = f"sqlite:///{root / 'mlflow.db'}"
     exp = mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
@@ -225,7 +225,7 @@ def test_smoke_sweep_job(head, tmp_path):
     import mlflow
     from optuna.trial import TrialState
 
-    from sweeps import tracking
+    import tracking
 
     sid = f"smoke-{int(time.time())}"
     config = REPO / "ray_configs" / "sweep_smoke.yaml"
@@ -303,7 +303,7 @@ def test_smoke_sweep_job(head, tmp_path):
 def test_killed_sweep_resumes_without_losing_or_repeating_trials(head, tmp_path):
     from optuna.trial import TrialState
 
-    from sweeps import tracking
+    import tracking
 
     data = yaml.safe_load((REPO / "ray_configs" / "sweep_smoke.yaml").read_text())
     # Multi-objective here (speedup vs drafting share), so both modes run end to end.

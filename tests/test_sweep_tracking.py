@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from speculation.drafters import resolve_methods
-from sweeps import compare, resume, tracking
+import tracking
+from sweeps import compare, resume
 from tests.ray_fixtures import apply_test_env
 
 apply_test_env()
@@ -162,7 +163,7 @@ def _closed_port() -> int:
 
 
 def test_unreachable_tracking_uri_fails_fast(tmp_path, capsys):
-    from cluster import cli
+    from graftblock import cli
     from sweeps import run
 
     data = yaml.safe_load(

@@ -1,7 +1,7 @@
 """Drafter training on a tiny random Llama: the loss falls, acceptance rises, runs resume.
 
 Data: the tiny target's own greedy continuations of random prompts (the self-distillation
-path, :func:`adaptation.eagle3_data.regenerate`). A few hundred optimizer steps on one thread
+path, :func:`adaptation.data.regenerate`). A few hundred optimizer steps on one thread
 must lower the TTT loss and raise tau (mean tokens per verify step) of real speculative decoding
 on the training prompts; a run killed half-way resumes from its saved state and cached features.
 """
@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
-from adaptation.eagle3_data import Sample, regenerate, regenerated_samples
-from adaptation.eagle3_eval import measure_tau
-from adaptation.eagle3_features import FeatureCache, extract_sequence
-from adaptation.eagle3_train import Eagle3Trainer, Eagle3TrainConfig, TrainData
-from adaptation.eagle3_vocab import select_draft_vocab, token_counts
+from adaptation.data import Sample, regenerate, regenerated_samples
+from adaptation.evaluation import measure_tau
+from adaptation.features import FeatureCache, extract_sequence
+from adaptation.trainer import Eagle3Trainer, Eagle3TrainConfig, TrainData
+from adaptation.vocab import select_draft_vocab, token_counts
 from speculation.config import ConfigError, Eagle3Config
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.checkpoint import load_checkpoint, read_manifest, TargetFingerprint

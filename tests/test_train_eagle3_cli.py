@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from cluster.cli import main as cli_main
+from graftblock.cli import main as cli_main
 from speculation import assets
 from tests.helpers import single_thread
 
@@ -82,7 +82,7 @@ def test_cli_self_distillation_trains_on_target_answers(tiny_chat_model, tmp_pat
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     assert manifest["data"]["regenerate_new_tokens"] == 12
     assert manifest["training"]["tokens"] >= 600
-    from adaptation.eagle3_features import FeatureCache
+    from adaptation.features import FeatureCache
 
     shard = FeatureCache(tmp_path / "w" / "features").load(0)
     # every sequence is prompt + at most 12 regenerated tokens, and only those are trained on

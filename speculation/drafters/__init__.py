@@ -26,6 +26,7 @@ from speculation.config import (
 )
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
 from speculation.drafters.eagle3 import build_eagle3_drafter
+from speculation.drafters.graft import build_graft_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import build_specblock_drafter
 
@@ -63,14 +64,8 @@ _BUILDERS: dict[DrafterType, Callable[[Any, Any], Drafter]] = {
     DrafterType.RETRIEVAL: lambda cfg, target: RetrievalDrafter(cfg, target.vocab_size),
     DrafterType.EAGLE3: build_eagle3_drafter,
     DrafterType.SPECBLOCK: build_specblock_drafter,
-    DrafterType.GRAFT: lambda cfg, target: _build_graft(cfg, target),
+    DrafterType.GRAFT: build_graft_drafter,
 }
-
-
-def _build_graft(cfg: GraftConfig, target: Any) -> Drafter:
-    from speculation.graft import build_graft_drafter  # speculation.graft imports this package
-
-    return build_graft_drafter(cfg, target)
 
 
 @dataclass(frozen=True)

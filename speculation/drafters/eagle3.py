@@ -11,7 +11,7 @@ Per request (ALGORITHMS.md section 3, "Inference drafting and dynamic tree"):
   ``depth`` forwards over the k beam tokens, each beam item fed with its parent's output y at RoPE
   position ``n + level - 1`` and attending to the committed cache plus its own ancestors (tree
   keys sit in scratch rows after the committed ones and are overwritten next step), and (3)
-  reranks the pool to ``total_tokens - 1`` nodes (:mod:`speculation.drafters.eagle3_tree`).
+  reranks the pool to ``total_tokens - 1`` nodes (:mod:`speculation.drafters.candidate_pool`).
 
 ``Proposal.drafter_forwards`` = 1 (encode) + ``depth``. Weights can be replaced between steps with
 :meth:`Eagle3Drafter.load_state_dict` (loads into a copy, then swaps the reference); the drafter
@@ -29,45 +29,12 @@ from speculation.config import Eagle3Config
 from speculation.drafters.base import DraftContext, Proposal, StopRule
 from speculation.drafters.checkpoint import CHECKPOINT_ROOT, EAGLE3, load_for_target
 from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
-from speculation.drafters.eagle3_tree import CandidatePool
+from speculation.drafters.candidate_pool import CandidatePool
+from speculation.drafters.draft_kv import DraftKVCache
 from speculation.drafters.feature_pairs import FeaturePairsDrafter
 from speculation.drafters.head import untrained_head
 
-__all__ = ["CHECKPOINT_ROOT", "DraftKVCache", "Eagle3Drafter", "build_eagle3_drafter", "random_model"]
-
-
-class DraftKVCache:
-    """Growable K/V rows of one sequence: ``[0, length)`` committed pairs, then scratch tree rows.
-
-    Buffers: ``k``, ``v`` ``[1, nkv, capacity, hd]``.
-    """
-
-    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256) -> None:
-        self.k = torch.empty(1, num_kv_heads, capacity, head_dim, dtype=dtype)
-        self.v = torch.empty_like(self.k)
-        self.length = 0
-
-    def ensure(self, rows: int) -> None:
-        """Grow (doubling) so ``rows`` rows fit; committed rows are kept."""
-        cap = self.k.shape[2]
-        if rows <= cap:
-            return
-        while cap < rows:
-            cap *= 2
-        k = self.k.new_empty(self.k.shape[0], self.k.shape[1], cap, self.k.shape[3])
-        v = torch.empty_like(k)
-        k[:, :, : self.length] = self.k[:, :, : self.length]
-        v[:, :, : self.length] = self.v[:, :, : self.length]
-        self.k, self.v = k, v
-
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rows ``start .. start + T`` := ``k``, ``v`` ``[1, nkv, T, hd]``."""
-        t = k.shape[2]
-        self.k[:, :, start : start + t] = k
-        self.v[:, :, start : start + t] = v
-
-    def view(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, :end], self.v[:, :, :end]
+__all__ = ["CHECKPOINT_ROOT", "Eagle3Drafter", "build_eagle3_drafter", "random_model"]
 
 
 class Eagle3Drafter(FeaturePairsDrafter):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from speculation.drafters.base import DraftContext, StepOutcome, StopRule
-from speculation.drafters.eagle3_tree import CandidatePool, build_draft_tree, select_top
+from speculation.drafters.candidate_pool import CandidatePool, build_draft_tree, select_top
 from speculation.tree import DraftTree
 
 

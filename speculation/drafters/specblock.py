@@ -27,7 +27,7 @@ Per request (ALGORITHMS.md section 4):
      slot it came from) and its own slots <= k. Each leaf appends a greedy chain plus
      alternatives at every slot; new pending leaves inherit the TTT cache plus this block's keys.
   5. **Rerank** the pool to ``total_tokens - 1`` nodes by cumulative log-prob
-     (:mod:`speculation.drafters.eagle3_tree`; children never outscore parents).
+     (:mod:`speculation.drafters.candidate_pool`; children never outscore parents).
 
 ``Proposal.drafter_forwards`` = 1 (encode + block 1) + the later blocks run.
 """
@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from speculation.config import SpecBlockConfig
 from speculation.drafters.base import DraftContext, Proposal, StopRule
 from speculation.drafters.checkpoint import SPECBLOCK, load_for_target
-from speculation.drafters.eagle3 import DraftKVCache
-from speculation.drafters.eagle3_tree import CandidatePool
+from speculation.drafters.candidate_pool import CandidatePool
+from speculation.drafters.draft_kv import DraftKVCache
 from speculation.drafters.feature_pairs import FeaturePairsDrafter
 from speculation.drafters.head import untrained_head
 from speculation.drafters.specblock_model import RankClass, SpecBlockArch, SpecBlockModel

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from adaptation.eagle3_batches import make_batch, plan_batches
-from adaptation.eagle3_features import ShardData
-from adaptation.eagle3_ttt import ttt_forward
+from adaptation.batches import make_batch, plan_batches
+from adaptation.features import ShardData
+from adaptation.eagle3_loss import ttt_forward
 from speculation.config import Eagle3Config, EngineConfig, SamplingConfig
 from speculation.drafters.eagle3 import Eagle3Drafter
 from speculation.drafters.eagle3_model import Eagle3Model

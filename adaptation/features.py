@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from adaptation.eagle3_data import Sample
+from adaptation.data import Sample
 
 
 @dataclass

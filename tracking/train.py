@@ -1,7 +1,7 @@
 """Run logging for drafter training: a small sink protocol and its MLflow implementation.
 
 The trainer only sees :class:`MetricsSink`; the MLflow sink addresses the experiment by id on
-the store resolved by :func:`sweeps.tracking.resolve_uri` (default: sqlite in the cwd) and can
+the store resolved by :func:`tracking.resolve_uri` (default: sqlite in the cwd) and can
 re-open a run by id, so a resumed training run keeps logging into the same MLflow run.
 """
 
@@ -48,7 +48,7 @@ class MlflowSink:
     def __init__(self, experiment: str, tracking_uri: str | None, run_name: str | None, run_id: str | None = None) -> None:
         import mlflow
 
-        from sweeps import tracking
+        import tracking
 
         self.uri = tracking.resolve_uri(tracking_uri)
         tracking.check_reachable(self.uri)
@@ -63,7 +63,7 @@ class MlflowSink:
             self.run_id = run.info.run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        from sweeps.tracking import flatten
+        from tracking import flatten
 
         existing = self.client.get_run(self.run_id).data.params
         flat = {k: v for k, v in flatten(dict(params)).items() if k not in existing}

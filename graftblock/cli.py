@@ -9,7 +9,7 @@
     graftblock sweep     --config ray_configs/sweep_smoke.yaml [--root DIR]
     graftblock compare   --experiment NAME [--out-dir DIR]
 
-Every sub-command is also reachable as ``python -m cluster.cli <command>`` for ``ray job submit``.
+Every sub-command is also reachable as ``python -m graftblock.cli <command>`` for ``ray job submit``.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     questions = assets.load_questions(cfg.dataset, cfg.limit_per_category)
     if not questions:
         raise ConfigError(f"--dataset {cfg.dataset}: no questions")
-    from cluster import ray_cli
+    from graftblock import ray_commands as ray_cli
 
     ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
     target = _load_target(cfg.model, cfg.dtype.value)
@@ -163,7 +163,7 @@ def _verify_curve(args: argparse.Namespace, console) -> int:
 def _track(args: argparse.Namespace, kind: str, cfg_dict: dict, result: dict | None, json_path: Path) -> None:
     if getattr(args, "no_mlflow", False):
         return
-    from sweeps import tracking
+    import tracking
 
     run_id = tracking.log_bench(
         experiment=args.experiment, tracking_uri=args.tracking_uri, kind=kind,
@@ -187,7 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if not args.prompt or not args.prompt.strip():
         raise ValueError("prompt is empty: pass --prompt TEXT")
-    from cluster import ray_cli
+    from graftblock import ray_commands as ray_cli
 
     ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
     target = _load_target(args.model, args.dtype or "bfloat16")
@@ -212,7 +212,7 @@ def cmd_assets(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from adaptation import eagle3_cli
+    from graftblock import train as eagle3_cli
 
     args.argv = sys.argv[3:] if sys.argv[1:3] == ["train", args.family] else []
     return eagle3_cli.run(args)
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-curve", action="store_true", help="measure c(T) for T = 1..128 instead")
     b.add_argument("--json", required=True, help="where to write the result JSON")
     _add_tracking_args(b)
-    from cluster import ray_cli
+    from graftblock import ray_commands as ray_cli
 
     ray_cli.add_ray_args(b)
     b.set_defaults(func=cmd_bench)
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a drafter (resumable; logged to MLflow)")
     tsub = t.add_subparsers(dest="drafter", required=True)
-    from adaptation import eagle3_cli
+    from graftblock import train as eagle3_cli
 
     te = tsub.add_parser("eagle3", help="train an EAGLE-3 head on ShareGPT for a target")
     eagle3_cli.add_arguments(te, "eagle3")

@@ -77,7 +77,3 @@ def build_draft_tree(
         node_of[idx] = tree.add(parent_node, tok, sc, NodeSource.DRAFTER)
     return tree
 
-
-def pool_capacity(top_k: int, depth: int) -> int:
-    """Nodes in a full pool: k at level 1 plus k^2 for each of the ``depth`` expansions."""
-    return top_k + depth * top_k * top_k

@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from adaptation.eagle3_features import ShardData
-from adaptation.eagle3_ttt import TTTBatch
+from adaptation.features import ShardData
+from adaptation.eagle3_loss import TTTBatch
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:

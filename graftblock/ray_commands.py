@@ -1,5 +1,5 @@
 """CLI glue for the Ray paths: ``--ray`` / ``--shards`` / ``--topology`` on ``bench`` and
-``generate``, and the ``sweep`` and ``compare`` sub-commands. ``cluster/cli.py`` calls in here, so
+``generate``, and the ``sweep`` and ``compare`` sub-commands. ``graftblock/cli.py`` calls in here, so
 its own edits stay a few lines.
 
 With ``--ray``, every non-vanilla method runs the same decode loop over a sharded target
@@ -113,7 +113,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from sweeps import compare, tracking
+    import tracking
+    from sweeps import compare
 
     try:
         return compare.run_from_args(args)

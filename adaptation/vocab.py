@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adaptation.eagle3_data import Sample
+from adaptation.data import Sample
 
 
 @dataclass(frozen=True)

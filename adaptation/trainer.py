@@ -2,9 +2,9 @@
 
 Data flow per epoch: raw items (conversations) are grouped into shards of ``shard_size``; a
 shard's features are extracted from the target on first use and cached
-(:mod:`adaptation.eagle3_features`); its sequences are packed into length-sorted batches of at
-most ``batch_tokens`` tokens (:mod:`adaptation.eagle3_batches`) and trained with
-:func:`adaptation.eagle3_ttt.ttt_forward` (AdamW, warmup then linear decay, clipping, bf16
+(:mod:`adaptation.features`); its sequences are packed into length-sorted batches of at
+most ``batch_tokens`` tokens (:mod:`adaptation.batches`) and trained with
+:func:`adaptation.eagle3_loss.ttt_forward` (AdamW, warmup then linear decay, clipping, bf16
 autocast with fp32 master weights and fp32 softmax/CE).
 
 Curriculum: until ``curriculum_tokens`` tokens have been trained, only ``curriculum_steps`` TTT
@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from adaptation.eagle3_batches import make_batch, plan_batches
-from adaptation.eagle3_data import Sample
-from adaptation.eagle3_eval import heldout_metrics, measure_tau
-from adaptation.eagle3_features import FeatureCache
-from adaptation.eagle3_tracking import MetricsSink, NullSink
-from adaptation.eagle3_ttt import ttt_forward
-from adaptation.eagle3_vocab import DraftVocab, select_draft_vocab, token_counts
+from adaptation.batches import make_batch, plan_batches
+from adaptation.data import Sample
+from adaptation.evaluation import heldout_metrics, measure_tau
+from adaptation.features import FeatureCache
+from tracking.train import MetricsSink, NullSink
+from adaptation.eagle3_loss import ttt_forward
+from adaptation.vocab import DraftVocab, select_draft_vocab, token_counts
 from speculation.config import ConfigError, Eagle3Config
 from speculation.drafters.checkpoint import EAGLE3, CheckpointKind, TargetFingerprint, save_checkpoint
 from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model

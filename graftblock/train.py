@@ -3,7 +3,7 @@
     graftblock train eagle3 --model smollm2-135m --workdir runs/eagle3-smollm2-135m \\
         --export checkpoints/eagle3-smollm2-135m --max-minutes 45
 
-Also reachable as ``python -m adaptation.eagle3_cli ...`` (e.g. for ``ray job submit``).
+Also reachable as ``python -m graftblock.train ...`` (e.g. for ``ray job submit``).
 Re-running the same command resumes from ``<workdir>/state.pt`` and the cached features.
 """
 
@@ -23,7 +23,7 @@ MAX_EVAL_PROMPT_TOKENS = 384
 
 def add_arguments(p: argparse.ArgumentParser, family: str = "eagle3") -> None:
     """The options of ``train eagle3`` / ``train specblock`` (defaults = the train config's)."""
-    from adaptation.eagle3_train import Eagle3TrainConfig
+    from adaptation.trainer import Eagle3TrainConfig
     from adaptation.specblock_train import SpecBlockTrainConfig
 
     d = SpecBlockTrainConfig() if family == "specblock" else Eagle3TrainConfig()
@@ -87,7 +87,7 @@ def _tree(text: str) -> Eagle3Config:
 
 
 def train_config(args: argparse.Namespace):
-    from adaptation.eagle3_train import Eagle3TrainConfig
+    from adaptation.trainer import Eagle3TrainConfig
 
     return Eagle3TrainConfig(
         max_len=args.max_len, draft_vocab_size=args.draft_vocab_size, vocab_items=args.vocab_items,
@@ -104,8 +104,8 @@ def train_config(args: argparse.Namespace):
 
 def sharegpt_data(args: argparse.Namespace, tokenizer: Any, target: Any):
     """:class:`TrainData` over ShareGPT: the first ``--heldout`` conversations are held out."""
-    from adaptation import eagle3_data as D
-    from adaptation.eagle3_train import TrainData
+    from adaptation import data as D
+    from adaptation.trainer import TrainData
     from speculation import assets
 
     path = args.sharegpt or str(assets.sharegpt_path())
@@ -151,8 +151,8 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``graftblock train eagle3``."""
     import torch
 
-    from adaptation.eagle3_tracking import MlflowSink, NullSink
-    from adaptation.eagle3_train import Eagle3Trainer
+    from tracking.train import MlflowSink, NullSink
+    from adaptation.trainer import Eagle3Trainer
     from speculation import assets
     from speculation.target import TargetModel
 
