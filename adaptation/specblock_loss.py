@@ -35,17 +35,31 @@ distance weight ``1 + |t-p| + max(t-p, 0)`` for the predicted class p;
     L_rank = sum CE(s, softmax r) * dist * w_c / sum w_c
 
 The rank head sees ``[RMSNorm(d).detach(); phi]``, so its loss trains only the rank head.
+
+:class:`SpecBlockFamily` is SpecBlock's training plug-in (:mod:`adaptation.family`): this loss,
+the head, the held-out block-1 metrics (:func:`heldout_metrics`) and the drafter used for the tau
+measurement. One unrolled step is one TTT block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from adaptation.eagle3_loss import TTTBatch, _shift, soft_cross_entropy
-from speculation.drafters.specblock_model import SpecBlockModel, rank_bucket
+from adaptation.batches import FeatureBatch
+from adaptation.family import StepLoss, check_knob
+from adaptation.loss_terms import shift, soft_cross_entropy
+from speculation.config import SpecBlockConfig, to_dict
+from speculation.drafters.checkpoint import SPECBLOCK, CheckpointKind
+from speculation.drafters.specblock import SpecBlockDrafter
+from speculation.drafters.specblock_model import SpecBlockArch, SpecBlockModel, rank_bucket
 
 
 @dataclass
@@ -113,7 +127,7 @@ def block_masks(S: int, K: int, ttt_valid: list[int]) -> torch.Tensor:
 def block_forward(
     model: SpecBlockModel,
     embed_weight: torch.Tensor,
-    batch: TTTBatch,
+    batch: FeatureBatch,
     target_to_draft: torch.Tensor,
     blocks: int,
     generator: torch.Generator,
@@ -149,7 +163,7 @@ def block_forward(
             ttt_valid.append(M)
             off += M
         offsets.append(off)
-        emb = F.embedding(_shift(batch.input_ids, 1 + off), embed_weight)  # [B, S, H]
+        emb = F.embedding(shift(batch.input_ids, 1 + off), embed_weight)  # [B, S, H]
         mask = block_masks(S, K, ttt_valid)
         layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -172,9 +186,9 @@ def block_forward(
         correct_bk = torch.zeros(B * S, K, dtype=torch.bool)
         rank_terms, rank_weights = [], []
         for k in range(K):
-            top_idx = _shift(batch.topk_indices, 1 + off + k).reshape(B * S, -1)  # [BS, topK]
-            top_val = _shift(batch.topk_values, 1 + off + k).reshape(B * S, -1)
-            base = (_shift(batch.loss_mask, 2 + off + k, False).reshape(-1) & in_vocab[top_idx[:, 0]])
+            top_idx = shift(batch.topk_indices, 1 + off + k).reshape(B * S, -1)  # [BS, topK]
+            top_val = shift(batch.topk_values, 1 + off + k).reshape(B * S, -1)
+            base = (shift(batch.loss_mask, 2 + off + k, False).reshape(-1) & in_vocab[top_idx[:, 0]])
             draft_rows = base & chain if valid_prefix_mask else base
             need = draft_rows | (base & rchain)
             rows = need.nonzero().squeeze(-1)
@@ -241,3 +255,149 @@ def block_forward(
         rank_acc=rank_right / rank_rows if rank_rows else float("nan"), offsets=offsets,
         counted=counted_all, correct=correct_all, hidden=hidden, slot_losses=slot_losses,
     )
+
+
+def heldout_metrics(
+    model: SpecBlockModel, embed_weight: torch.Tensor, target_to_draft: torch.Tensor,
+    batches: Iterable[FeatureBatch], position_weight: float, rank_weight: float,
+) -> dict[str, float]:
+    """Block-1 metrics on held-out features, always under the valid-prefix mask:
+
+    ``heldout.acc_k``: top-1 agreement at slot k given slots < k were right;
+    ``heldout.prefix_len``: mean right prefix of a block, sum_k P(slots 0..k all right);
+    ``heldout.rank_acc``: rank-class accuracy; ``heldout.loss``: the total loss.
+    """
+    K = model.arch.block_size
+    right = [0] * K
+    rows = [0] * K
+    rank_right = rank_rows = 0
+    loss_sum, n_batches = 0.0, 0
+    for batch in batches:
+        res = block_forward(model, embed_weight, batch, target_to_draft, 1, torch.Generator().manual_seed(0),
+                            position_weight=position_weight, valid_prefix_mask=True, rank_weight=rank_weight)
+        counted, correct = res.counted[0], res.correct[0]
+        for k in range(K):
+            rows[k] += int(counted[:, k].sum())
+            right[k] += int((counted[:, k] & correct[:, k]).sum())
+        if not math.isnan(res.rank_acc):
+            n = sum(res.slot_count[0])
+            rank_right += res.rank_acc * n
+            rank_rows += n
+        loss_sum += float(res.loss)
+        n_batches += 1
+    out = {f"heldout.acc_{k}": (right[k] / rows[k] if rows[k] else math.nan) for k in range(K)}
+    out["heldout.prefix_len"] = sum(right) / rows[0] if rows[0] else math.nan
+    out["heldout.rank_acc"] = rank_right / rank_rows if rank_rows else math.nan
+    out["heldout.loss"] = loss_sum / n_batches if n_batches else math.nan
+    return out
+
+
+EVAL_TREE_KEYS = ("total_tokens", "block_size", "max_blocks", "beam", "slot_widths")
+"""The tau tree's knobs recorded in the training config."""
+
+
+@dataclass(frozen=True)
+class SpecBlockFamily:
+    """SpecBlock's training plug-in (``graftblock train specblock``); its fields are its knobs.
+
+    One unrolled step is one TTT block (``ttt_steps`` blocks per batch, each K slots).
+    """
+
+    block_size: int = 4
+    """K: slots per block. Range [1, 16]."""
+    num_layers: int = 2
+    """Decoder layers of the head (the shift needs >= 2). Range [1, 8]."""
+    intermediate_size: int = 0
+    """FFN width of the head (0 = the target's). >= 0."""
+    shift: bool = True
+    """Layer-wise shift (False = the no-shift ablation)."""
+    valid_prefix_mask: bool = True
+    """Count slot k's loss only after a right prefix (False = the no-mask ablation)."""
+    position_weight: float = 0.8
+    """Weight of slot k is position_weight^k. Range (0, 1]."""
+    rank_weight: float = 1.0
+    """Weight of the rank head's loss (0 = no rank head training). Range [0, 100]."""
+    eval_tree: SpecBlockConfig = field(default_factory=lambda: SpecBlockConfig(checkpoint="random"))
+    """Tree knobs used for the tau measurement."""
+
+    name: ClassVar[str] = "specblock"
+    kind: ClassVar[CheckpointKind] = SPECBLOCK
+    unroll_defaults: ClassVar[Mapping[str, int]] = MappingProxyType({"ttt_steps": 3, "curriculum_steps": 1})
+
+    def __post_init__(self) -> None:
+        check_knob("block_size", 1 <= self.block_size <= 16, "in [1, 16]", self.block_size)
+        check_knob("num_layers", 1 <= self.num_layers <= 8, "in [1, 8]", self.num_layers)
+        check_knob("intermediate_size", self.intermediate_size >= 0, ">= 0", self.intermediate_size)
+        check_knob("shift", isinstance(self.shift, bool), "true or false", self.shift)
+        check_knob("shift", not (self.shift and self.num_layers < 2),
+                   "false with num_layers=1 (it acts between layers)", self.shift)
+        check_knob("valid_prefix_mask", isinstance(self.valid_prefix_mask, bool), "true or false",
+                   self.valid_prefix_mask)
+        check_knob("position_weight", 0 < self.position_weight <= 1, "in (0, 1]", self.position_weight)
+        check_knob("rank_weight", 0 <= self.rank_weight <= 100, "in [0, 100]", self.rank_weight)
+        check_knob("eval_tree.block_size", self.eval_tree.block_size <= self.block_size,
+                   f"<= block_size={self.block_size}", self.eval_tree.block_size)
+
+    def config_dict(self) -> dict[str, Any]:
+        tree = to_dict(self.eval_tree)
+        return {
+            "block_size": self.block_size, "num_layers": self.num_layers,
+            "intermediate_size": self.intermediate_size, "shift": self.shift,
+            "valid_prefix_mask": self.valid_prefix_mask, "position_weight": self.position_weight,
+            "rank_weight": self.rank_weight,
+            "eval_tree": {k: tree[k] for k in EVAL_TREE_KEYS},
+        }
+
+    def new_model(self, target: Any, draft_vocab_size: int) -> SpecBlockModel:
+        arch = SpecBlockArch.from_target_config(
+            target.model.config, target.vocab_size, draft_vocab_size, block_size=self.block_size,
+            num_layers=self.num_layers, shift=self.shift, intermediate_size=self.intermediate_size or None,
+        )
+        return SpecBlockModel(arch)
+
+    def loss(
+        self, model: SpecBlockModel, embed_weight: torch.Tensor, batch: FeatureBatch,
+        target_to_draft: torch.Tensor, steps: int, generator: torch.Generator,
+    ) -> StepLoss:
+        """:func:`block_forward` over ``steps`` blocks; ``generator`` draws each later block's M."""
+        res = block_forward(model, embed_weight, batch, target_to_draft, steps, generator,
+                            position_weight=self.position_weight, valid_prefix_mask=self.valid_prefix_mask,
+                            rank_weight=self.rank_weight)
+        metrics = {f"train.acc_{k}": a for k, a in enumerate(res.slot_acc[0])}
+        metrics.update({"train.draft_loss": res.draft_loss, "train.rank_loss": res.rank_loss,
+                        "train.rank_acc": res.rank_acc})
+        return StepLoss(res.loss, metrics, res.slot_count[0][0])
+
+    def heldout_metrics(
+        self, model: SpecBlockModel, embed_weight: torch.Tensor, target_to_draft: torch.Tensor,
+        batches: Iterable[FeatureBatch], steps: int,
+    ) -> dict[str, float]:
+        """:func:`heldout_metrics` (block 1 only: ``steps`` is unused)."""
+        return heldout_metrics(model, embed_weight, target_to_draft, batches, self.position_weight,
+                               self.rank_weight)
+
+    def eval_drafter(self, head: SpecBlockModel, embed_weight: torch.Tensor) -> SpecBlockDrafter:
+        return SpecBlockDrafter(self.eval_tree, head, embed_weight)
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--block-size", type=int, default=self.block_size, help="K: slots per block")
+        parser.add_argument("--num-layers", type=int, default=self.num_layers)
+        parser.add_argument("--intermediate-size", type=int, default=self.intermediate_size,
+                            help="FFN width (0 = target's)")
+        parser.add_argument("--no-shift", action="store_true", help="ablation: no layer-wise shift")
+        parser.add_argument("--no-valid-prefix-mask", action="store_true",
+                            help="ablation: count every slot's loss")
+        parser.add_argument("--position-weight", type=float, default=self.position_weight)
+        parser.add_argument("--rank-weight", type=float, default=self.rank_weight)
+        parser.add_argument("--eval-total-tokens", type=int, default=48,
+                            help="tree budget of the tau measurement")
+
+    def configure(self, flags: Mapping[str, Any]) -> SpecBlockFamily:
+        return SpecBlockFamily(
+            block_size=flags["block_size"], num_layers=flags["num_layers"],
+            intermediate_size=flags["intermediate_size"], shift=not flags["no_shift"],
+            valid_prefix_mask=not flags["no_valid_prefix_mask"], position_weight=flags["position_weight"],
+            rank_weight=flags["rank_weight"],
+            eval_tree=SpecBlockConfig(checkpoint="random", total_tokens=flags["eval_total_tokens"],
+                                      block_size=flags["block_size"], max_blocks=2),
+        )

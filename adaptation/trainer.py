@@ -1,55 +1,57 @@
-"""Offline EAGLE-3 training: features cached per shard, TTT steps, checkpoints, resume, evaluation.
+"""Offline drafter training, one trainer for every family: features cached per shard, unrolled
+training-time-test steps, checkpoints, resume, evaluation.
+
+What a drafter family contributes (its network, its loss, its held-out metrics, the drafter for
+the tau measurement, its knobs) comes from a :class:`~adaptation.family.DrafterFamily`; the rest
+is here and identical for every family.
 
 Data flow per epoch: raw items (conversations) are grouped into shards of ``shard_size``; a
 shard's features are extracted from the target on first use and cached
 (:mod:`adaptation.features`); its sequences are packed into length-sorted batches of at
-most ``batch_tokens`` tokens (:mod:`adaptation.batches`) and trained with
-:func:`adaptation.eagle3_loss.ttt_forward` (AdamW, warmup then linear decay, clipping, bf16
-autocast with fp32 master weights and fp32 softmax/CE).
+most ``batch_tokens`` tokens (:mod:`adaptation.batches`) and trained with the family's loss
+(AdamW, warmup then linear decay, clipping, bf16 autocast with fp32 master weights and fp32
+softmax/CE).
 
-Curriculum: until ``curriculum_tokens`` tokens have been trained, only ``curriculum_steps`` TTT
-steps are unrolled (several times cheaper), then all ``ttt_steps``.
+Curriculum: until ``curriculum_tokens`` tokens have been trained, only ``curriculum_steps`` steps
+are unrolled (several times cheaper), then all ``ttt_steps``.
 
 Resume: ``<workdir>/state.pt`` (weights, optimizer, data cursor, counters, MLflow run id) is
 rewritten atomically every ``save_every_steps`` and at the end; a killed run restarts at the
-saved batch. At every ``eval_every_tokens`` the head is evaluated (held-out TTT accuracy and real
-speculative tau) and saved as a bf16 checkpoint under ``<workdir>/checkpoints/``.
+saved batch, and the family's random draws are seeded per optimizer step, so it continues as the
+uninterrupted run would. At every ``eval_every_tokens`` the head is evaluated (the family's
+held-out metrics and real speculative tau) and saved as a bf16 checkpoint under
+``<workdir>/checkpoints/``.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from adaptation.batches import make_batch, plan_batches
-from adaptation.data import Sample
-from adaptation.evaluation import heldout_metrics, measure_tau
-from adaptation.features import FeatureCache
-from tracking.train import MetricsSink, NullSink
-from adaptation.eagle3_loss import ttt_forward
+from adaptation.batches import FeatureBatch, make_batch, plan_batches
+from adaptation.data import TrainData
+from adaptation.evaluation import measure_tau
+from adaptation.family import DrafterFamily, DraftNetwork, check_knob
+from adaptation.features import FeatureCache, ShardData
 from adaptation.vocab import DraftVocab, select_draft_vocab, token_counts
-from speculation.config import ConfigError, Eagle3Config
-from speculation.drafters.checkpoint import EAGLE3, CheckpointKind, TargetFingerprint, save_checkpoint
-from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
-
-
-def _check(name: str, ok: bool, rule: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"train.{name} must be {rule}, got {value!r}")
+from speculation.config import ConfigError
+from speculation.drafters.checkpoint import TargetFingerprint, save_checkpoint
+from tracking.train import MetricsSink, NullSink
 
 
 @dataclass(frozen=True)
-class Eagle3TrainConfig:
-    """Knobs of ``graftblock train eagle3``."""
+class TrainConfig:
+    """The knobs every family shares (``graftblock train <family>``); a family adds its own."""
 
     max_len: int = 1024
     """Tokens per training sequence (longer conversations are truncated). Range [16, 8192]."""
@@ -58,13 +60,12 @@ class Eagle3TrainConfig:
     vocab_items: int = 2000
     """Raw items (conversations) whose assistant tokens are counted to choose the vocab. >= 1."""
     ttt_steps: int = 7
-    """Unrolled draft steps (training-time test). Range [1, 16]."""
+    """Unrolled training-time-test steps per batch (what one step is belongs to the family: an
+    EAGLE-3 draft step, a SpecBlock block). Range [1, 16]."""
     curriculum_steps: int = 2
     """Steps unrolled while ``tokens < curriculum_tokens``. Range [1, ttt_steps]."""
     curriculum_tokens: int = 0
     """Training tokens trained with ``curriculum_steps`` first (0 = no curriculum). >= 0."""
-    step_decay: float = 0.8
-    """Weight of step j is decay^j. Range (0, 1]."""
     lr: float = 1e-4
     """Peak learning rate (AdamW, betas 0.9/0.95). Range (0, 1]."""
     min_lr_ratio: float = 0.1
@@ -98,49 +99,45 @@ class Eagle3TrainConfig:
     """Held-out prompts for the tau measurement (0 = skip it). >= 0."""
     eval_max_new_tokens: int = 64
     """New tokens per tau prompt. >= 1."""
-    eval_tree: Eagle3Config = field(default_factory=lambda: Eagle3Config(checkpoint="random"))
-    """Tree knobs (total_tokens, depth, top_k) used for the tau measurement."""
     save_every_steps: int = 25
     """Rewrite the resume state every this many optimizer steps. >= 1."""
     log_every_steps: int = 5
     """Log training metrics every this many steps. >= 1."""
     seed: int = 0
-    """Initialisation and batch-order seed. >= 0."""
+    """Initialisation, batch-order and per-step draw seed. >= 0."""
     autocast_bf16: bool = True
     """bf16 autocast for the forward/backward (fp32 master weights, fp32 softmax/CE)."""
 
     def __post_init__(self) -> None:
-        _check("max_len", 16 <= self.max_len <= 8192, "in [16, 8192]", self.max_len)
-        _check("draft_vocab_size", self.draft_vocab_size >= 1, ">= 1", self.draft_vocab_size)
-        _check("vocab_items", self.vocab_items >= 1, ">= 1", self.vocab_items)
-        _check("ttt_steps", 1 <= self.ttt_steps <= 16, "in [1, 16]", self.ttt_steps)
-        _check("curriculum_steps", 1 <= self.curriculum_steps <= self.ttt_steps, f"in [1, ttt_steps={self.ttt_steps}]",
-               self.curriculum_steps)
-        _check("curriculum_tokens", self.curriculum_tokens >= 0, ">= 0", self.curriculum_tokens)
-        _check("step_decay", 0 < self.step_decay <= 1, "in (0, 1]", self.step_decay)
-        _check("lr", 0 < self.lr <= 1, "in (0, 1]", self.lr)
-        _check("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]", self.min_lr_ratio)
-        _check("warmup_steps", self.warmup_steps >= 0, ">= 0", self.warmup_steps)
-        _check("weight_decay", self.weight_decay >= 0, ">= 0", self.weight_decay)
-        _check("grad_clip", self.grad_clip > 0, "> 0", self.grad_clip)
-        _check("batch_tokens", self.batch_tokens >= self.max_len, f">= max_len={self.max_len}", self.batch_tokens)
-        _check("max_tokens", self.max_tokens >= 1, ">= 1", self.max_tokens)
-        _check("max_minutes", self.max_minutes >= 0, ">= 0", self.max_minutes)
-        _check("epochs", self.epochs >= 1, ">= 1", self.epochs)
-        _check("topk", 1 <= self.topk <= 1024, "in [1, 1024]", self.topk)
-        _check("shard_size", self.shard_size >= 1, ">= 1", self.shard_size)
-        _check("eval_every_tokens", self.eval_every_tokens >= 0, ">= 0", self.eval_every_tokens)
-        _check("eval_every_minutes", self.eval_every_minutes >= 0, ">= 0", self.eval_every_minutes)
-        _check("eval_prompts", self.eval_prompts >= 0, ">= 0", self.eval_prompts)
-        _check("eval_max_new_tokens", self.eval_max_new_tokens >= 1, ">= 1", self.eval_max_new_tokens)
-        _check("save_every_steps", self.save_every_steps >= 1, ">= 1", self.save_every_steps)
-        _check("log_every_steps", self.log_every_steps >= 1, ">= 1", self.log_every_steps)
-        _check("seed", self.seed >= 0, ">= 0", self.seed)
+        check_knob("max_len", 16 <= self.max_len <= 8192, "in [16, 8192]", self.max_len)
+        check_knob("draft_vocab_size", self.draft_vocab_size >= 1, ">= 1", self.draft_vocab_size)
+        check_knob("vocab_items", self.vocab_items >= 1, ">= 1", self.vocab_items)
+        check_knob("ttt_steps", 1 <= self.ttt_steps <= 16, "in [1, 16]", self.ttt_steps)
+        check_knob("curriculum_steps", 1 <= self.curriculum_steps <= self.ttt_steps,
+                   f"in [1, ttt_steps={self.ttt_steps}]", self.curriculum_steps)
+        check_knob("curriculum_tokens", self.curriculum_tokens >= 0, ">= 0", self.curriculum_tokens)
+        check_knob("lr", 0 < self.lr <= 1, "in (0, 1]", self.lr)
+        check_knob("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]", self.min_lr_ratio)
+        check_knob("warmup_steps", self.warmup_steps >= 0, ">= 0", self.warmup_steps)
+        check_knob("weight_decay", self.weight_decay >= 0, ">= 0", self.weight_decay)
+        check_knob("grad_clip", self.grad_clip > 0, "> 0", self.grad_clip)
+        check_knob("batch_tokens", self.batch_tokens >= self.max_len, f">= max_len={self.max_len}",
+                   self.batch_tokens)
+        check_knob("max_tokens", self.max_tokens >= 1, ">= 1", self.max_tokens)
+        check_knob("max_minutes", self.max_minutes >= 0, ">= 0", self.max_minutes)
+        check_knob("epochs", self.epochs >= 1, ">= 1", self.epochs)
+        check_knob("topk", 1 <= self.topk <= 1024, "in [1, 1024]", self.topk)
+        check_knob("shard_size", self.shard_size >= 1, ">= 1", self.shard_size)
+        check_knob("eval_every_tokens", self.eval_every_tokens >= 0, ">= 0", self.eval_every_tokens)
+        check_knob("eval_every_minutes", self.eval_every_minutes >= 0, ">= 0", self.eval_every_minutes)
+        check_knob("eval_prompts", self.eval_prompts >= 0, ">= 0", self.eval_prompts)
+        check_knob("eval_max_new_tokens", self.eval_max_new_tokens >= 1, ">= 1", self.eval_max_new_tokens)
+        check_knob("save_every_steps", self.save_every_steps >= 1, ">= 1", self.save_every_steps)
+        check_knob("log_every_steps", self.log_every_steps >= 1, ">= 1", self.log_every_steps)
+        check_knob("seed", self.seed >= 0, ">= 0", self.seed)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["eval_tree"] = {k: v for k, v in asdict(self.eval_tree).items() if k in ("total_tokens", "depth", "top_k")}
-        return d
+        return asdict(self)
 
 
 @dataclass
@@ -163,28 +160,7 @@ class TrainState:
     done: bool = False
 
 
-@dataclass(frozen=True)
-class TrainData:
-    """Where training text comes from.
-
-    Attributes:
-        items: a fresh iterator over raw training items (held-out items excluded), in a fixed order.
-        to_samples: raw items of one shard -> training samples (tokenize, or regenerate + tokenize).
-        vocab_samples: samples whose assistant tokens choose the draft vocabulary.
-        heldout: held-out samples (features for held-out accuracy).
-        eval_prompts: held-out prompt ids for the tau measurement.
-        description: recorded in the manifest.
-    """
-
-    items: Callable[[], Iterator[Any]]
-    to_samples: Callable[[list[Any]], list[Sample]]
-    vocab_samples: Callable[[], Iterator[Sample]]
-    heldout: list[Sample]
-    eval_prompts: list[list[int]]
-    description: dict = field(default_factory=dict)
-
-
-def _lr(cfg: Eagle3TrainConfig, step: int, progress: float) -> float:
+def _lr(cfg: TrainConfig, step: int, progress: float) -> float:
     """``lr * min(1, (step+1)/warmup) * (1 - (1 - min_ratio) * min(1, progress))``.
 
     ``progress`` is the fraction of the budget used: max(tokens / max_tokens, minutes / max_minutes).
@@ -193,26 +169,26 @@ def _lr(cfg: Eagle3TrainConfig, step: int, progress: float) -> float:
     return cfg.lr * warm * (1.0 - (1.0 - cfg.min_lr_ratio) * min(1.0, progress))
 
 
-class Eagle3Trainer:
-    """Trains one EAGLE-3 head for ``target`` in ``workdir`` (resumable).
-
-    Subclasses train other drafter families with the same data, cache, resume, evaluation and
-    checkpoint plumbing by overriding :meth:`new_model`, :meth:`forward`,
-    :meth:`heldout_metrics` and :meth:`measure_tau` (and ``kind``/``label``).
+class Trainer:
+    """Trains one head of ``family`` for ``target`` in ``workdir`` (resumable).
 
     Args:
-        cfg: training knobs.
+        cfg: the shared training knobs.
+        family: the drafter family (its network, loss, held-out metrics, tau drafter and knobs).
         target: a :class:`~speculation.target.TargetModel` (extraction and evaluation dtype).
-        data: the training text (:class:`TrainData`).
+        data: the training text (:class:`~adaptation.data.TrainData`).
         workdir: features, checkpoints and resume state live here.
         target_name: recorded in checkpoints and manifests (e.g. ``smollm2-135m``).
         sink: run logging (MLflow or nothing).
         progress: show a tqdm bar.
+        on_stop_signal: stop cleanly (state saved, run marked killed) on SIGTERM.
+        features_dir: the feature cache (default ``<workdir>/features``); families can share one.
     """
 
     def __init__(
         self,
-        cfg: Eagle3TrainConfig,
+        cfg: TrainConfig,
+        family: DrafterFamily,
         target: Any,
         data: TrainData,
         workdir: str | Path,
@@ -222,7 +198,11 @@ class Eagle3Trainer:
         on_stop_signal: bool = True,
         features_dir: str | Path | None = None,
     ) -> None:
+        shadowed = sorted(set(family.config_dict()) & set(cfg.to_dict()))
+        if shadowed:
+            raise ConfigError(f"train: family {family.name!r} knobs {shadowed} shadow shared training knobs")
         self.cfg = cfg
+        self.family = family
         self.target = target
         self.data = data
         self.workdir = Path(workdir)
@@ -235,7 +215,7 @@ class Eagle3Trainer:
         self.embed = target.model.get_input_embeddings().weight.detach()
         self.state = TrainState()
         self.vocab: DraftVocab | None = None
-        self.model: Eagle3Model | None = None
+        self.model: DraftNetwork | None = None
         self.opt: torch.optim.Optimizer | None = None
         self._stop_requested = False
         self._install_signals = on_stop_signal
@@ -247,6 +227,10 @@ class Eagle3Trainer:
     @property
     def state_path(self) -> Path:
         return self.workdir / "state.pt"
+
+    def config_dict(self) -> dict:
+        """The full training config as recorded: the shared knobs, then the family's."""
+        return {**self.cfg.to_dict(), **self.family.config_dict()}
 
     def _choose_vocab(self) -> DraftVocab:
         path = self.workdir / "vocab.json"
@@ -269,7 +253,7 @@ class Eagle3Trainer:
         })
         self.vocab = self._choose_vocab()
         torch.manual_seed(self.cfg.seed)
-        model = self.new_model(self.vocab.ids)
+        model = self.family.new_model(self.target, int(self.vocab.ids.numel()))
         model.set_vocab(self.vocab.ids)
         model.init_head_from_target(self.target.model.get_output_embeddings().weight.detach().float())
         self.model = model.float().train()
@@ -281,28 +265,7 @@ class Eagle3Trainer:
             model.load_state_dict(saved["model"])
             self.opt.load_state_dict(saved["optimizer"])
             self.state = TrainState(**saved["state"])
-
-    kind: CheckpointKind = EAGLE3
-    label = "eagle3"
-
-    def new_model(self, draft_ids: torch.Tensor) -> Any:
-        """A fresh network for the target and a draft vocabulary of ``draft_ids``."""
-        arch = Eagle3Arch.from_target_config(self.target.model.config, self.target.vocab_size, draft_ids.numel())
-        return Eagle3Model(arch)
-
-    def forward(self, batch, steps: int) -> tuple[torch.Tensor, dict[str, float], int]:
-        """``(loss, metrics, loss tokens)`` of one training batch unrolled ``steps`` steps."""
-        res = ttt_forward(self.model, self.embed, batch, steps, self._t2d, self.cfg.step_decay)
-        return res.loss, {f"train.acc_{j}": a for j, a in enumerate(res.step_acc)}, res.step_count[0]
-
-    def heldout_metrics(self, heldout) -> dict[str, float]:
-        """Teacher-forced held-out metrics (``heldout.*``)."""
-        return heldout_metrics(self.model, self.embed, heldout, self.cfg.ttt_steps, self.cfg.batch_tokens,
-                               self.cfg.autocast_bf16)
-
-    def measure_tau(self, prompts: list[list[int]]) -> dict[str, float]:
-        """Real speculative decoding with the head on held-out prompts (``tau``, ...)."""
-        return measure_tau(self.target, self.model, self.cfg.eval_tree, prompts, self.cfg.eval_max_new_tokens)
+        self._t2d = model.target_to_draft()
 
     def saved_run_id(self) -> str | None:
         """The MLflow run id recorded by an earlier (interrupted) run in this workdir."""
@@ -338,15 +301,39 @@ class Eagle3Trainer:
             if idx >= self.state.shard:
                 yield idx, items
 
-    def _heldout_shard(self):
+    def _heldout_shard(self) -> ShardData | None:
         if not self.data.heldout:
             return None
         return self.cache.get_or_extract("heldout", self.data.heldout, self.target.model, self.target.aux_layers,
                                          self.cfg.topk)
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, heldout) -> dict[str, float]:
-        """Held-out TTT accuracy and (if prompts) tau; saves a checkpoint for this point."""
+    def heldout_metrics(self, heldout: ShardData) -> dict[str, float]:
+        """The family's ``heldout.*`` metrics over fixed batches of the held-out shard (plan seed 0),
+        in eval mode, without gradients, at the training precision."""
+        assert self.model is not None
+        batches: Iterator[FeatureBatch] = (
+            make_batch(heldout, idx) for idx in plan_batches(heldout.lengths(), self.cfg.batch_tokens, seed=0)
+        )
+        was_training = self.model.training
+        self.model.train(False)
+        try:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
+                return self.family.heldout_metrics(self.model, self.embed, self._t2d, batches,
+                                                   self.cfg.ttt_steps)
+        finally:
+            self.model.train(was_training)
+
+    @torch.inference_mode()
+    def measure_tau(self, prompts: list[list[int]]) -> dict[str, float]:
+        """Real greedy speculative decoding on ``prompts`` with the family's drafter over an
+        eval-mode copy of the head in the target's dtype (``tau``, ``accepted_per_step``, ...)."""
+        head = copy.deepcopy(self.model).to(self.target.dtype).eval()
+        return measure_tau(self.target, self.family.eval_drafter(head, self.embed), prompts,
+                           self.cfg.eval_max_new_tokens)
+
+    def evaluate(self, heldout: ShardData | None) -> dict[str, float]:
+        """Held-out metrics and (if prompts) tau; saves a checkpoint for this point."""
         assert self.model is not None
         metrics: dict[str, float] = {"tokens": float(self.state.tokens)}
         if heldout is not None:
@@ -363,7 +350,8 @@ class Eagle3Trainer:
         self.state.last_eval_tokens = self.state.tokens
         self.state.last_eval_elapsed_s = self._elapsed()
         ck = self.workdir / "checkpoints" / f"tokens_{self.state.tokens:010d}"
-        save_checkpoint(ck, self.model, self.fingerprint, manifest=self.manifest(record), kind=self.kind)
+        save_checkpoint(ck, self.model, self.fingerprint, manifest=self.manifest(record),
+                        kind=self.family.kind)
         self.sink.log_metrics(metrics, step=self.state.tokens)
         return metrics
 
@@ -372,7 +360,7 @@ class Eagle3Trainer:
         assert self.vocab is not None
         last_eval = last_eval or (self.state.evals[-1] if self.state.evals else {})
         return {
-            "format": self.kind.format,
+            "format": self.family.kind.format,
             "target": {"name": self.target_name, **self.fingerprint.to_dict()},
             "data": self.data.description,
             "draft_vocab": {"size": int(self.vocab.ids.numel()), "coverage": self.vocab.coverage,
@@ -385,7 +373,7 @@ class Eagle3Trainer:
                 "epochs_started": self.state.epoch + 1,
                 "wall_s": round(self._elapsed() if self._t0 else self.state.elapsed_s, 1),
                 "last_loss": self.state.last_loss,
-                "config": self.cfg.to_dict(),
+                "config": self.config_dict(),
             },
             "heldout": last_eval,
             "tau_curve": [
@@ -397,7 +385,12 @@ class Eagle3Trainer:
         }
 
     # ------------------------------------------------------------------ training
-    def _train_step(self, batch) -> dict[str, float]:
+    def _step_generator(self) -> torch.Generator:
+        """This optimizer step's random draws: seeded by (seed, step), so a resumed run draws what
+        the interrupted one would."""
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.state.step)
+
+    def _train_step(self, batch: FeatureBatch) -> dict[str, float]:
         assert self.model is not None and self.opt is not None
         cfg = self.cfg
         steps = cfg.curriculum_steps if self.state.tokens < cfg.curriculum_tokens else cfg.ttt_steps
@@ -405,20 +398,28 @@ class Eagle3Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-            loss, step_metrics, loss_tokens = self.forward(batch, steps)
+            res = self.family.loss(self.model, self.embed, batch, self._t2d, steps, self._step_generator())
         self.opt.zero_grad(set_to_none=True)
-        if loss.requires_grad:
-            loss.backward()
+        if res.loss.requires_grad:
+            res.loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             self.opt.step()
         self.state.step += 1
         self.state.tokens += batch.num_tokens
         self.state.sequences += batch.input_ids.shape[0]
-        self.state.loss_tokens += loss_tokens
-        self.state.last_loss = float(loss.detach())
+        self.state.loss_tokens += res.loss_tokens
+        self.state.last_loss = float(res.loss.detach())
         out = {"train.loss": self.state.last_loss, "train.lr": lr, "train.ttt_steps": float(steps)}
-        out.update(step_metrics)
+        out.update(res.metrics)
         return out
+
+    @staticmethod
+    def _bar_figures(metrics: dict[str, float]) -> dict[str, str]:
+        """Progress-bar postfix: the loss and, when the family reports it, ``train.acc_0``."""
+        shown = {"loss": metrics["train.loss"]}
+        if "train.acc_0" in metrics:
+            shown["acc0"] = metrics["train.acc_0"]
+        return {k: f"{v:.3f}" for k, v in shown.items()}
 
     def _progress(self) -> float:
         frac = self.state.tokens / self.cfg.max_tokens
@@ -441,12 +442,11 @@ class Eagle3Trainer:
         assert self.model is not None
         self._t0 = time.perf_counter()
         self._base_elapsed = self.state.elapsed_s
-        self._t2d = self.model.target_to_draft()
         self.state.mlflow_run_id = self.sink.run_id or self.state.mlflow_run_id
         old_handler = None
         if self._install_signals:
             old_handler = signal.signal(signal.SIGTERM, self._on_signal)
-        self.sink.log_params({"train": self.cfg.to_dict(), "target": self.target_name,
+        self.sink.log_params({"train": self.config_dict(), "target": self.target_name,
                               "draft_vocab_coverage": self.vocab.coverage if self.vocab else None,
                               "data": self.data.description})
         bar = None
@@ -454,7 +454,7 @@ class Eagle3Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=self.cfg.max_tokens, initial=min(self.state.tokens, self.cfg.max_tokens),
-                       unit="tok", unit_scale=True, desc=f"train {self.label}", dynamic_ncols=True)
+                       unit="tok", unit_scale=True, desc=f"train {self.family.name}", dynamic_ncols=True)
         heldout = self._heldout_shard()
         reason = None
         try:
@@ -485,7 +485,7 @@ class Eagle3Trainer:
                         self.state.batch = b + 1
                         if bar is not None:
                             bar.update(self.state.tokens - before)
-                            bar.set_postfix(loss=f"{metrics['train.loss']:.3f}", acc0=f"{metrics['train.acc_0']:.3f}")
+                            bar.set_postfix(self._bar_figures(metrics))
                         if self.state.step % self.cfg.log_every_steps == 0:
                             metrics["train.tokens_per_s"] = self.state.tokens / max(self._elapsed(), 1e-9)
                             self.sink.log_metrics(metrics, step=self.state.tokens)
@@ -515,9 +515,10 @@ class Eagle3Trainer:
             manifest = self.manifest(command=command)
             manifest["training"]["stop_reason"] = reason
             final = save_checkpoint(self.workdir / "final", self.model, self.fingerprint, manifest=manifest,
-                                    kind=self.kind)
+                                    kind=self.family.kind)
             if export is not None:
-                save_checkpoint(export, self.model, self.fingerprint, manifest=manifest, kind=self.kind)
+                save_checkpoint(export, self.model, self.fingerprint, manifest=manifest,
+                                kind=self.family.kind)
             self.sink.log_artifact(final.parent / "manifest.json")
             self.sink.finish("FINISHED" if reason != "signal" else "KILLED")
             return manifest

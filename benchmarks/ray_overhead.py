@@ -30,9 +30,11 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from cluster.backend import RayTargetBackend  # noqa: E402
 from cluster.deploy import RayDeployment, ensure_ray  # noqa: E402
 from cluster.topology import Topology  # noqa: E402
 from speculation import assets  # noqa: E402
@@ -40,7 +42,7 @@ from speculation.bench.runner import environment  # noqa: E402
 from speculation.bench.verify_curve import random_tree  # noqa: E402
 from speculation.config import EngineConfig  # noqa: E402
 from speculation.drafters import build_drafter, resolve_methods  # noqa: E402
-from speculation.engine import generate_speculative, generate_vanilla  # noqa: E402
+from speculation.engine import TargetBackend, generate_speculative, generate_vanilla  # noqa: E402
 from speculation.target import TargetModel  # noqa: E402
 
 PROMPTS = (
@@ -51,7 +53,7 @@ PROMPTS = (
 TREE_SIZES = (8, 32)
 
 
-def _verify_ms(backend, prompt: list[int], size: int, repeats: int, seed: int) -> float:
+def _verify_ms(backend: TargetBackend[Any], prompt: list[int], size: int, repeats: int, seed: int) -> float:
     gen = torch.Generator().manual_seed(seed)
     tree = random_tree(size, backend.vocab_size, gen)
     state, _, _ = backend.prefill(prompt)
@@ -60,13 +62,13 @@ def _verify_ms(backend, prompt: list[int], size: int, repeats: int, seed: int) -
         t0 = time.perf_counter()
         backend.verify(state, tree)
         backend.commit(state, tree, [0])
-        if hasattr(backend, "sync"):
+        if isinstance(backend, RayTargetBackend):
             backend.sync()  # include the (normally overlapped) commit in the measured step
         if i >= 2:
             times.append(time.perf_counter() - t0)
         backend.truncate(state, len(prompt))
-    if hasattr(backend, "release"):
-        backend.release(state)
+    backend.release(state)
+    if isinstance(backend, RayTargetBackend):
         backend.sync()
     return 1000 * statistics.median(times)
 
@@ -101,7 +103,7 @@ def run_dtype(dtype: str, args, prompts: list[str]) -> dict:
     topo = dict(shard_resources={"CPU": 0.25}, drafter_resources={"CPU": 0.25}, torch_threads=args.threads)
     deps = {
         f"ray_{n}": RayDeployment(
-            Topology(shards=n, **topo), args.model, dtype, eos_token_ids=target.eos_token_ids
+            Topology(shards=n, **topo), args.model, dtype
         )
         for n in (1, 2)
     }

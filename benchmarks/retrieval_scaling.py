@@ -40,7 +40,7 @@ def main() -> int:
         text += tok(q.turns[0])["input_ids"]
         if len(text) > max(LENGTHS) + args.steps * 8 + 10:
             break
-    cfg = RetrievalConfig()
+    cfg = RetrievalConfig(cost_aware=False)
     drafter = RetrievalDrafter(cfg, vocab_size=len(tok))
     ctx = DraftContext(tokens=text[:2], prompt_len=2)
     drafter.begin(ctx, None)

@@ -1,5 +1,10 @@
 """``RayTargetBackend``: the :class:`~speculation.engine.TargetBackend` protocol over shard actors.
 
+It satisfies the protocol structurally with ``RayTargetState`` as its state type, like
+:class:`~speculation.target.TargetModel` does with ``TargetState``. The decode loops call
+``release`` when a sequence ends, which frees its KV caches on every shard (an LRU bound of
+``topology.max_sequences`` live sequences per shard remains as a backstop).
+
 The decode loop in ``speculation/engine.py`` runs unchanged on this backend. Each call becomes
 one pipeline pass: the coordinator submits ``forward`` to every shard in order, handing shard k's
 output *reference* to shard k+1 (Ray moves the hidden states between the actors directly, not
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from speculation.target import TargetModel, TreeForward
+from speculation.target import TargetModel, TreeForward, default_aux_layers
 from speculation.tree import DraftTree
 from workers.shard import StepInput, StepKind, TargetInfo
 from workers.wire import WireTensor
@@ -44,7 +49,6 @@ class RayTargetBackend:
         shards: actor handles of :class:`~workers.shard.TargetShard`, in pipeline order.
         info: the target's facts (from the last shard).
         aux_layers: HF hidden-state indices of the drafters' features (default ``[2, L/2, L-3]``).
-        eos_token_ids: overrides the model's generation-config EOS ids (e.g. add the tokenizer's).
     """
 
     def __init__(
@@ -52,10 +56,7 @@ class RayTargetBackend:
         shards: Sequence,
         info: TargetInfo,
         aux_layers: tuple[int, int, int] | None = None,
-        eos_token_ids: frozenset[int] | None = None,
     ) -> None:
-        from speculation.target import default_aux_layers
-
         if not shards:
             raise ValueError("RayTargetBackend needs at least one shard")
         self.shards = list(shards)
@@ -65,9 +66,7 @@ class RayTargetBackend:
         self.vocab_size: int = info.vocab_size
         self.max_context = info.max_context
         self.sliding_window = info.sliding_window
-        self.eos_token_ids: frozenset[int] = frozenset(
-            eos_token_ids if eos_token_ids is not None else info.eos_token_ids
-        )
+        self.eos_token_ids: frozenset[int] = info.eos_token_ids
         self.aux_layers = tuple(aux_layers or default_aux_layers(self.num_layers))
         if not all(0 <= i <= self.num_layers for i in self.aux_layers):
             raise ValueError(f"aux_layers {self.aux_layers} out of range [0, {self.num_layers}]")
@@ -88,8 +87,8 @@ class RayTargetBackend:
             hidden, aux = shard.forward.options(num_returns=2).remote(seq_id, step, hidden)
             aux_refs.append(aux)
         wait = [hidden, *aux_refs] if step.aux_layers else [hidden]
-        got = ray.get(self._pending + wait)
-        self._pending.clear()
+        pending, self._pending = self._pending, []  # checked once: an error surfaces once
+        got = ray.get(pending + wait)
         got = got[len(got) - len(wait) :]
         logits: WireTensor = got[0]
         aux_parts: dict[int, WireTensor] = {}
@@ -161,7 +160,7 @@ class RayTargetBackend:
         state.length = length
 
     def release(self, state: RayTargetState) -> None:
-        """Free the sequence's KV caches on every shard."""
+        """Free the sequence's KV caches on every shard (not waited for; checked with the next call)."""
         self._pending += [s.release.remote(state.seq_id) for s in self.shards]
 
     def sync(self) -> None:
@@ -169,5 +168,5 @@ class RayTargetBackend:
         import ray
 
         if self._pending:
-            ray.get(self._pending)
-            self._pending.clear()
+            pending, self._pending = self._pending, []
+            ray.get(pending)

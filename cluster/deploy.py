@@ -2,7 +2,8 @@
 
 Order of checks, so bad input fails fast with a message instead of hanging:
 
-1. the shard count against the target's layer count (read from the model config, no weights);
+1. the shard count against the target's layer count (:func:`speculation.assets.model_num_layers`:
+   the model config only, no weights);
 2. the topology's resources against ``ray.cluster_resources()`` (totals) and against every
    node (each bundle must fit on one node);
 3. the placement group's ``ready()`` under ``topology.ready_timeout_s``.
@@ -15,15 +16,17 @@ first asked for.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cluster.backend import RayTargetBackend
 from cluster.proxy import RayDrafterProxy
 from cluster.topology import Topology
+from speculation import assets
 from speculation.config import ConfigError, DType
-from speculation.drafters import DrafterType, MethodSpec
+from speculation.cost import measure_cost_model
+from speculation.drafters import DrafterType, MethodSpec, build_drafter
+from workers.drafter_worker import pack_drafter
 from workers.shard import ShardSpec, TargetInfo
 
 
@@ -48,21 +51,6 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address == "local":
         kwargs.update(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
     ray.init(**kwargs)
-
-
-def model_num_layers(model: str) -> int:
-    """The target's decoder layer count, from its config only (no weights loaded)."""
-    from transformers import AutoConfig
-
-    from speculation import assets
-
-    path = Path(model).expanduser()
-    source = (
-        str(assets.resolve_model_dir(model)) if (model in assets.MODEL_ALIASES or path.is_dir()) else model
-    )
-    cfg = AutoConfig.from_pretrained(source)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return int(cfg.num_hidden_layers)
 
 
 def _fmt(res: dict[str, float]) -> str:
@@ -132,7 +120,6 @@ class RayDeployment:
         model: packaged alias, local directory or Hugging Face id (every shard loads it itself).
         dtype: ``float32`` / ``bfloat16``.
         aux_layers: HF hidden-state indices for feature drafters (default ``[2, L/2, L-3]``).
-        eos_token_ids: EOS ids to use (e.g. the tokenizer's); default: the model's generation config.
         local_target: an in-process target of the same model, if the caller has one: drafters are
             then built against it (feature drafters need its weights) and shipped to the worker.
             Without it the worker builds drafters that need only the vocabulary size (retrieval).
@@ -144,7 +131,6 @@ class RayDeployment:
         model: str,
         dtype: str | DType,
         aux_layers: tuple[int, int, int] | None = None,
-        eos_token_ids: frozenset[int] | None = None,
         local_target=None,
     ) -> None:
         import ray
@@ -156,7 +142,7 @@ class RayDeployment:
         self.local_target = local_target
         self.model = _model_ref(model)
         self.dtype = DType.parse(dtype)
-        num_layers = model_num_layers(self.model)
+        num_layers = assets.model_num_layers(self.model)
         ranges = topology.layer_ranges(num_layers)  # raises ConfigError when shards > layers
         ensure_ray()
         if topology.require_resources_now:
@@ -193,9 +179,7 @@ class RayDeployment:
             self.shutdown()
             raise
         self.info = infos[-1]
-        self.backend = RayTargetBackend(
-            self.shards, self.info, aux_layers=aux_layers, eos_token_ids=eos_token_ids
-        )
+        self.backend = RayTargetBackend(self.shards, self.info, aux_layers=aux_layers)
 
     # ------------------------------------------------------------------ drafters
     def _drafter_worker(self):
@@ -211,26 +195,24 @@ class RayDeployment:
     def drafter(self, spec: MethodSpec) -> RayDrafterProxy:
         """A proxy over a fresh drafter for ``spec`` in the worker slot named ``spec.name``.
 
-        A cost-aware drafter gets c(T) measured over the distributed target (the cost it will
-        really pay), once per deployment and tree size.
+        A drafter whose config needs a verify curve (``verify_curve_size() > 0``) gets c(T)
+        measured over the distributed target (the cost it will really pay), once per deployment
+        and tree size.
         """
         import ray
 
         if spec.type == DrafterType.VANILLA:
             raise ConfigError(f"method {spec.name!r} is vanilla: it has no drafter")
         cost_model = None
-        if getattr(spec.config, "cost_aware", False):
-            from speculation.cost import measure_cost_model
-
-            cost_model = measure_cost_model(self.backend, max_size=spec.config.budget + 1)
+        size = spec.config.verify_curve_size()
+        if size:
+            cost_model = measure_cost_model(self.backend, max_size=size)
             self.backend.sync()
         worker = self._drafter_worker()
         if self.local_target is not None:
             # Built here, where the in-process target is (feature drafters read its embeddings
             # and config), then shipped to the worker; c(T) still comes from the actors.
-            from workers.drafter_worker import build_without_cost_model, pack_drafter
-
-            drafter = build_without_cost_model(spec, self.local_target, cost_model)
+            drafter = build_drafter(spec, self.local_target, cost_model)
             traits = ray.get(worker.host.remote(spec.name, pack_drafter(drafter)))
         else:
             traits = ray.get(worker.load.remote(spec.name, spec, cost_model))
@@ -239,8 +221,6 @@ class RayDeployment:
     def host_drafter(self, slot: str, drafter) -> RayDrafterProxy:
         """A proxy over ``drafter`` (any protocol object, shipped to the worker) in ``slot``."""
         import ray
-
-        from workers.drafter_worker import pack_drafter
 
         worker = self._drafter_worker()
         return RayDrafterProxy(worker, slot, ray.get(worker.host.remote(slot, pack_drafter(drafter))))
@@ -278,5 +258,3 @@ class RayDeployment:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-
-MethodParts = Callable[[MethodSpec], tuple[RayTargetBackend, RayDrafterProxy]]

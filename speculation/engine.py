@@ -7,6 +7,8 @@ computed from those records.
 
 Output rule (both loops): generation stops after ``max_new_tokens`` tokens or at the first EOS
 token (kept in the output), so a step that accepts past either point is truncated there.
+Both loops release the target's sequence (its KV cache, or the shards' caches) when generation
+ends, normally or by an error.
 """
 
 from __future__ import annotations
@@ -14,32 +16,59 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from speculation import verify as V
 from speculation.config import EngineConfig, SamplingConfig
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
-from speculation.target import TargetState, TreeForward
+from speculation.target import TreeForward
 from speculation.tree import DraftTree, NodeSource
 
+StateT = TypeVar("StateT")
+"""A backend's per-sequence state (``TargetState`` in process, a sequence handle over Ray)."""
 
-class TargetBackend(Protocol):
-    """What the decode loop needs from a target (in-process or distributed)."""
+
+@runtime_checkable
+class TargetBackend(Protocol[StateT]):
+    """What the decode loop needs from a target (in-process or distributed), over its state type.
+
+    :class:`~speculation.target.TargetModel` (state ``TargetState``) and
+    ``cluster.backend.RayTargetBackend`` (state ``RayTargetState``) satisfy it structurally.
+    A sequence lives from ``prefill`` to ``release``; the loops release it when generation ends.
+    """
 
     vocab_size: int
     eos_token_ids: frozenset[int]
 
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None: ...
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ``ContextLengthError`` if prompt + new tokens do not fit the context window."""
+        ...
 
-    def prefill(self, ids: list[int], need_aux: bool = False) -> tuple[TargetState, torch.Tensor, torch.Tensor | None]: ...
+    def prefill(self, ids: list[int], need_aux: bool = False) -> tuple[StateT, torch.Tensor, torch.Tensor | None]:
+        """Start a sequence: (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
+        ...
 
-    def decode(self, state: TargetState, token: int) -> torch.Tensor: ...
+    def decode(self, state: StateT, token: int) -> torch.Tensor:
+        """Append ``token``; next-token logits ``[V]``."""
+        ...
 
-    def verify(self, state: TargetState, tree: DraftTree, need_aux: bool = False) -> TreeForward: ...
+    def verify(self, state: StateT, tree: DraftTree, need_aux: bool = False) -> TreeForward:
+        """One forward over every node of ``tree`` (provisional KV rows until ``commit``)."""
+        ...
 
-    def commit(self, state: TargetState, tree: DraftTree, accepted: list[int]) -> None: ...
+    def commit(self, state: StateT, tree: DraftTree, accepted: list[int]) -> None:
+        """Keep only the accepted path's KV rows of the last verified tree."""
+        ...
+
+    def truncate(self, state: StateT, length: int) -> None:
+        """Forget everything after the first ``length`` cached tokens."""
+        ...
+
+    def release(self, state: StateT) -> None:
+        """Free the sequence's KV cache(s); the state is unusable afterwards."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -105,13 +134,13 @@ def _finish(out: list[int], new: list[int], max_new: int, eos: frozenset[int], s
     return False
 
 
-def _validate_prompt(target: TargetBackend, prompt_ids: list[int], cfg: EngineConfig) -> None:
+def _validate_prompt(target: TargetBackend[StateT], prompt_ids: list[int], cfg: EngineConfig) -> None:
     if not prompt_ids:
         raise ValueError("prompt is empty: at least one token is required")
     target.check_fits(len(prompt_ids), cfg.max_new_tokens)
 
 
-def generate_vanilla(target: TargetBackend, prompt_ids: list[int], cfg: EngineConfig) -> GenerationResult:
+def generate_vanilla(target: TargetBackend[StateT], prompt_ids: list[int], cfg: EngineConfig) -> GenerationResult:
     """Plain autoregressive decoding on ``target`` (one forward per token)."""
     _validate_prompt(target, prompt_ids, cfg)
     sampling = cfg.sampling
@@ -119,14 +148,17 @@ def generate_vanilla(target: TargetBackend, prompt_ids: list[int], cfg: EngineCo
     gen = torch.Generator().manual_seed(sampling.seed)
     t0 = time.perf_counter()
     state, logits, _ = target.prefill(prompt_ids)
-    tok = _choose(logits, sampling, procs, gen)
-    prefill_s = time.perf_counter() - t0
-    out: list[int] = []
-    done = _finish(out, [tok], cfg.max_new_tokens, target.eos_token_ids, cfg.stop_at_eos)
-    while not done:
-        logits = target.decode(state, tok)
+    try:
         tok = _choose(logits, sampling, procs, gen)
+        prefill_s = time.perf_counter() - t0
+        out: list[int] = []
         done = _finish(out, [tok], cfg.max_new_tokens, target.eos_token_ids, cfg.stop_at_eos)
+        while not done:
+            logits = target.decode(state, tok)
+            tok = _choose(logits, sampling, procs, gen)
+            done = _finish(out, [tok], cfg.max_new_tokens, target.eos_token_ids, cfg.stop_at_eos)
+    finally:
+        target.release(state)
     return GenerationResult(tokens=out, wall_s=time.perf_counter() - t0, prefill_s=prefill_s)
 
 
@@ -134,7 +166,7 @@ FeedbackSink = Callable[[DraftContext, StepOutcome], None]
 
 
 def generate_speculative(
-    target: TargetBackend,
+    target: TargetBackend[StateT],
     drafter: Drafter,
     prompt_ids: list[int],
     cfg: EngineConfig,
@@ -153,45 +185,48 @@ def generate_speculative(
     eos = target.eos_token_ids
     t0 = time.perf_counter()
     state, logits, prompt_aux = target.prefill(prompt_ids, need_aux=drafter.needs_aux)
-    tok = _choose(logits, sampling, procs, gen)
-    ctx = DraftContext(tokens=[*prompt_ids, tok], prompt_len=len(prompt_ids))
-    drafter.begin(ctx, prompt_aux)
-    prefill_s = time.perf_counter() - t0
-    out: list[int] = []
-    steps: list[StepRecord] = []
-    done = _finish(out, [tok], cfg.max_new_tokens, eos, cfg.stop_at_eos)
-    while not done:
-        ta = time.perf_counter()
-        proposal = drafter.propose(ctx)
-        tree = proposal.tree
-        tb = time.perf_counter()
-        fwd = target.verify(state, tree, need_aux=drafter.needs_aux)
-        if sampling.greedy:
-            res = V.greedy(tree, fwd.logits)
-        else:
-            res = V.sample(tree, fwd.logits, procs, gen)
-        target.commit(state, tree, res.accepted)
-        new = [tree.tokens[a] for a in res.accepted[1:]] + [res.bonus_token]
-        before = len(out)
-        done = _finish(out, new, cfg.max_new_tokens, eos, cfg.stop_at_eos)
-        ctx.tokens.extend(new)
-        tc = time.perf_counter()
-        outcome = StepOutcome(
-            tree=tree,
-            accepted=res.accepted,
-            accepted_tokens=[tree.tokens[a] for a in res.accepted],
-            bonus_token=res.bonus_token,
-            aux_hidden=fwd.aux_hidden[res.accepted] if fwd.aux_hidden is not None else None,
-            target_topk=(
-                torch.topk(fwd.logits, drafter.target_topk, dim=-1).indices if drafter.target_topk else None
-            ),
-        )
-        if not done:
-            drafter.observe(ctx, outcome)
-        td = time.perf_counter()
-        if feedback is not None:
-            feedback(ctx, outcome)
-        steps.append(_record(tree, res, proposal, len(out) - before, (tb - ta) + (td - tc), tc - tb))
+    try:
+        tok = _choose(logits, sampling, procs, gen)
+        ctx = DraftContext(tokens=[*prompt_ids, tok], prompt_len=len(prompt_ids))
+        drafter.begin(ctx, prompt_aux)
+        prefill_s = time.perf_counter() - t0
+        out: list[int] = []
+        steps: list[StepRecord] = []
+        done = _finish(out, [tok], cfg.max_new_tokens, eos, cfg.stop_at_eos)
+        while not done:
+            ta = time.perf_counter()
+            proposal = drafter.propose(ctx)
+            tree = proposal.tree
+            tb = time.perf_counter()
+            fwd = target.verify(state, tree, need_aux=drafter.needs_aux)
+            if sampling.greedy:
+                res = V.greedy(tree, fwd.logits)
+            else:
+                res = V.sample(tree, fwd.logits, procs, gen)
+            target.commit(state, tree, res.accepted)
+            new = [tree.tokens[a] for a in res.accepted[1:]] + [res.bonus_token]
+            before = len(out)
+            done = _finish(out, new, cfg.max_new_tokens, eos, cfg.stop_at_eos)
+            ctx.tokens.extend(new)
+            tc = time.perf_counter()
+            outcome = StepOutcome(
+                tree=tree,
+                accepted=res.accepted,
+                accepted_tokens=[tree.tokens[a] for a in res.accepted],
+                bonus_token=res.bonus_token,
+                aux_hidden=fwd.aux_hidden[res.accepted] if fwd.aux_hidden is not None else None,
+                target_topk=(
+                    torch.topk(fwd.logits, drafter.target_topk, dim=-1).indices if drafter.target_topk else None
+                ),
+            )
+            if not done:
+                drafter.observe(ctx, outcome)
+            td = time.perf_counter()
+            if feedback is not None:
+                feedback(ctx, outcome)
+            steps.append(_record(tree, res, proposal, len(out) - before, (tb - ta) + (td - tc), tc - tb))
+    finally:
+        target.release(state)
     return GenerationResult(tokens=out, wall_s=time.perf_counter() - t0, prefill_s=prefill_s, steps=steps)
 
 

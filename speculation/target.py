@@ -33,11 +33,15 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+class ReleasedSequenceError(ValueError):
+    """A target call on a sequence whose KV cache was already released."""
+
+
 @dataclass
 class TargetState:
-    """Per-sequence target state: the KV cache and how many tokens it holds."""
+    """Per-sequence target state: the KV cache (None once released) and how many tokens it holds."""
 
-    cache: DynamicCache
+    cache: DynamicCache | None
     length: int = 0
     tokens: list[int] = field(default_factory=list)
     """Token ids held in the KV cache (the committed text minus the pending root)."""
@@ -82,7 +86,7 @@ class TargetModel:
         self.aux_layers = tuple(aux_layers or default_aux_layers(self.num_layers))
         if not all(0 <= i <= self.num_layers for i in self.aux_layers):
             raise ValueError(f"aux_layers {self.aux_layers} out of range [0, {self.num_layers}]")
-        self.eos_token_ids: frozenset[int] = _eos_ids(model, tokenizer)
+        self.eos_token_ids: frozenset[int] = eos_token_ids(model, tokenizer)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -118,7 +122,7 @@ class TargetModel:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(
             input_ids=input_ids,
-            past_key_values=state.cache,
+            past_key_values=_cache(state),
             use_cache=True,
             output_hidden_states=need_aux,
             logits_to_keep=1,
@@ -132,7 +136,7 @@ class TargetModel:
     def decode(self, state: TargetState, token: int) -> torch.Tensor:
         """Vanilla step: append ``token`` to the cache and return the next-token logits ``[V]``."""
         input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, past_key_values=_cache(state), use_cache=True, logits_to_keep=1)
         state.length += 1
         state.tokens.append(int(token))
         return out.logits[0, -1]
@@ -141,26 +145,25 @@ class TargetModel:
     def verify(self, state: TargetState, tree: DraftTree, need_aux: bool = False) -> TreeForward:
         """One forward over every node of ``tree`` (ancestor-or-self attention, depth positions)."""
         n = state.length
+        cache = _cache(state)
         tt = tree.to_tensors()
         T = len(tree)
         if T == 1:  # root only: the plain causal step is the same computation
             input_ids = tt.tokens.view(1, 1).to(self.device)
             out = self.model(
                 input_ids=input_ids,
-                past_key_values=state.cache,
+                past_key_values=cache,
                 use_cache=True,
                 output_hidden_states=need_aux,
             )
         else:
-            mask = torch.ones(1, 1, T, n + T, dtype=torch.bool, device=self.device)  # [1, 1, T, n+T]
-            mask[0, 0, :, n:] = tt.ancestor_mask
-            positions = (tt.depths + n).view(1, T).to(self.device)  # [1, T]
+            mask, positions = tree_attention_inputs(tt.ancestor_mask, tt.depths, n, self.device)
             out = self.model(
                 input_ids=tt.tokens.view(1, T).to(self.device),
                 attention_mask=mask,
                 position_ids=positions,
                 cache_position=torch.arange(n, n + T, device=self.device),
-                past_key_values=state.cache,
+                past_key_values=cache,
                 use_cache=True,
                 output_hidden_states=need_aux,
             )
@@ -171,26 +174,42 @@ class TargetModel:
     @torch.inference_mode()
     def commit(self, state: TargetState, tree: DraftTree, accepted: list[int]) -> None:
         """Keep only the accepted path's KV rows (root first) after a :meth:`verify` of ``tree``."""
-        compact_kv(state.cache.layers, len(tree), accepted)
+        compact_kv(_cache(state).layers, len(tree), accepted)
         state.length = state.length - len(tree) + len(accepted)
         state.tokens.extend(tree.tokens[a] for a in accepted)
 
     @torch.inference_mode()
     def truncate(self, state: TargetState, length: int) -> None:
         """Forget everything after the first ``length`` cached tokens."""
+        cache = _cache(state)
         if not 0 <= length <= state.length:
             raise ValueError(f"length must be in [0, {state.length}], got {length}")
         if length < state.length:
-            state.cache.crop(length - state.length)  # transformers 5 takes a negative count
+            cache.crop(length - state.length)  # transformers 5 takes a negative count
         del state.tokens[length:]
         state.length = length
+
+    def release(self, state: TargetState) -> None:
+        """Drop the sequence's KV cache (idempotent); any later call on ``state`` raises."""
+        state.cache = None
 
     def _aux(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """``[T, 3H]``: concat of the three auxiliary hidden states of batch row 0."""
         return torch.cat([hidden_states[i][0] for i in self.aux_layers], dim=-1)
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+def _cache(state: TargetState) -> DynamicCache:
+    if state.cache is None:
+        raise ReleasedSequenceError("this sequence was released: its KV cache is gone (prefill a new one)")
+    return state.cache
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """The ids that end generation: the model's generation-config EOS id(s), plus the tokenizer's.
+
+    The one rule for every target (in-process or sharded): the union of
+    ``model.generation_config.eos_token_id`` (an id or a list) and ``tokenizer.eos_token_id``.
+    """
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
     for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
@@ -198,6 +217,31 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) 
             continue
         ids.update(src if isinstance(src, (list, tuple)) else [src])
     return frozenset(int(i) for i in ids)
+
+
+def tree_attention_inputs(
+    ancestor_mask: torch.Tensor, depths: torch.Tensor, past_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4D mask and positions of a tree forward over ``n = past_len`` cached tokens.
+
+    For T tree nodes with ancestor-or-self mask ``A`` (``[T, T]`` bool) and depths ``d`` (``[T]``)::
+
+        M[0, 0, i, :] = [1] * n ++ A[i]         # [1, 1, T, n + T] bool
+        position_i    = n + d_i                 # [1, T] int64
+
+    so node i attends to the committed text and its own path, at the position it would have in
+    a sequential decode. Used by :class:`TargetModel` and by every pipeline shard.
+    """
+    T = int(depths.shape[0])
+    mask = torch.ones(1, 1, T, past_len + T, dtype=torch.bool, device=device)  # [1, 1, T, n+T]
+    mask[0, 0, :, past_len:] = ancestor_mask.to(device=device, dtype=torch.bool)
+    positions = (depths.to(device=device, dtype=torch.long) + past_len).view(1, T)  # [1, T]
+    return mask, positions
+
+
+def causal_positions(past_len: int, length: int, device: torch.device) -> torch.Tensor:
+    """``[1, T]`` positions ``n + arange(T)`` of T tokens appended after ``n = past_len`` cached ones."""
+    return torch.arange(past_len, past_len + length, dtype=torch.long, device=device).view(1, length)
 
 
 @torch.inference_mode()

@@ -36,12 +36,10 @@ class VerifyResult:
     Attributes:
         accepted: node indices of the accepted path, root first (``len - 1`` drafts accepted).
         bonus_token: the token the target emits after the accepted path (the next root).
-        tree_depth: depth of the verified tree (0 = root only).
     """
 
     accepted: list[int]
     bonus_token: int
-    tree_depth: int
 
     @property
     def accept_length(self) -> int:
@@ -80,7 +78,7 @@ def greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
             break
         accepted.append(nxt)
         cur = nxt
-    return VerifyResult(accepted=accepted, bonus_token=int(argmax[cur]), tree_depth=tree.max_depth())
+    return VerifyResult(accepted=accepted, bonus_token=int(argmax[cur]))
 
 
 def sample(
@@ -115,7 +113,7 @@ def sample(
             probs = probs / total
         if not moved:
             bonus = int(torch.multinomial(probs, 1, generator=generator))
-            return VerifyResult(accepted=accepted, bonus_token=bonus, tree_depth=tree.max_depth())
+            return VerifyResult(accepted=accepted, bonus_token=bonus)
 
 
 def sample_token(logits: torch.Tensor, processors: LogitsProcessorList, generator: torch.Generator) -> int:

@@ -7,13 +7,15 @@ Rows are (run, method) pairs: a sweep trial contributes its swept method, a ``gr
 run every non-vanilla method it measured. Metrics follow the bench JSON names
 (``<method>.speedup`` …). The Pareto plot shows speedup against tree size and against
 drafting share (front: higher speedup at lower cost). ``best_config.yaml`` holds the finished
-row with the highest speedup as ``<method>: {knob: value, …}``, the format of
+row best by ``--metric`` (highest speedup by default; cost metrics such as drafting share are
+minimised, :data:`METRICS`) as ``<method>: {knob: value, …}``, the format of
 ``graftblock bench --config``.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
 from collections.abc import Sequence
@@ -26,7 +28,33 @@ import yaml
 from speculation.config import ConfigError
 import tracking
 
-COLUMNS = ("speedup", "tau", "tokens_per_s", "mean_tree_size", "drafting_share")
+class Direction(str, enum.Enum):
+    """Whether more of a metric is better (MAX) or less (MIN)."""
+
+    MAX = "max"
+    MIN = "min"
+
+
+#: The metrics a row carries, and which way each is better. Drafting share, tree size (verified
+#: tokens per step) and the per-step seconds are costs: minimised.
+METRICS: dict[str, Direction] = {
+    "speedup": Direction.MAX,
+    "tau": Direction.MAX,
+    "tokens_per_s": Direction.MAX,
+    "mean_tree_size": Direction.MIN,
+    "drafting_share": Direction.MIN,
+    "drafting_s_per_step": Direction.MIN,
+    "verify_s_per_step": Direction.MIN,
+}
+COLUMNS = tuple(METRICS)
+
+
+def check_metric(metric: str) -> Direction:
+    """The direction of ``metric``; a ConfigError listing the allowed metrics if it is unknown."""
+    if metric not in METRICS:
+        allowed = ", ".join(f"{m} ({d.value})" for m, d in METRICS.items())
+        raise ConfigError(f"--metric must be one of {allowed}; got {metric!r}")
+    return METRICS[metric]
 
 
 @dataclass
@@ -70,9 +98,9 @@ def _methods_in(metrics: dict[str, float]) -> list[str]:
     return sorted(names)
 
 
-def _config_for(run, method: str) -> dict[str, Any]:
-    raw = run.data.tags.get(tracking.CONFIG_TAG)
-    if raw and run.data.tags.get(tracking.METHOD_TAG) == method:
+def _config_for(run: tracking.RunRecord, method: str) -> dict[str, Any]:
+    raw = run.tags.get(tracking.CONFIG_TAG)
+    if raw and run.tags.get(tracking.METHOD_TAG) == method:
         try:
             cfg = json.loads(raw)
         except json.JSONDecodeError:
@@ -80,44 +108,34 @@ def _config_for(run, method: str) -> dict[str, Any]:
         if isinstance(cfg, dict):
             return cfg
     prefix = f"method.{method}."
-    return {k[len(prefix) :]: _parse_param(v) for k, v in run.data.params.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: _parse_param(v) for k, v in run.params.items() if k.startswith(prefix)}
 
 
 def collect_rows(experiment: str, uri: str | None = None, study: str | None = None) -> list[Row]:
     """Rows of every run in ``experiment`` (optionally only one sweep's trials)."""
-    import mlflow
-
-    uri = tracking.resolve_uri(uri)
-    tracking.check_reachable(uri)
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        names = sorted(e.name for e in client.search_experiments())
-        raise ConfigError(f"no MLflow experiment {experiment!r} in {uri}; experiments there: {names}")
+    _, runs = tracking.experiment_runs(experiment, uri)
     rows: list[Row] = []
-    for run in client.search_runs(
-        [exp.experiment_id], max_results=5000, order_by=["attributes.start_time ASC"]
-    ):
-        tags = run.data.tags
+    for run in runs:
+        tags = run.tags
         kind = tags.get(tracking.KIND_TAG, "")
-        if kind == "sweep":
+        if kind == tracking.SWEEP_KIND:
             continue
         if study is not None and tags.get(tracking.STUDY_TAG) != study:
             continue
         number = tags.get(tracking.TRIAL_TAG)
         methods = (
-            [tags[tracking.METHOD_TAG]] if tracking.METHOD_TAG in tags else _methods_in(run.data.metrics)
+            [tags[tracking.METHOD_TAG]] if tracking.METHOD_TAG in tags else _methods_in(run.metrics)
         )
         for method in methods:
             metrics = {
-                c: run.data.metrics.get(f"{method}.{c}", run.data.metrics.get(c) if number else None)
+                c: run.metrics.get(f"{method}.{c}", run.metrics.get(c) if number else None)
                 for c in COLUMNS
             }
             rows.append(
                 Row(
-                    run_id=run.info.run_id,
-                    run_name=run.info.run_name or "",
-                    status=run.info.status,
+                    run_id=run.run_id,
+                    run_name=run.run_name,
+                    status=run.status,
                     kind=kind,
                     method=method,
                     trial_number=int(number) if number is not None else None,
@@ -128,12 +146,21 @@ def collect_rows(experiment: str, uri: str | None = None, study: str | None = No
     return rows
 
 
-def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of points not dominated when maximising y and minimising x."""
+def pareto_front(
+    points: Sequence[tuple[float, float]], directions: tuple[Direction, Direction] = (Direction.MIN, Direction.MAX)
+) -> list[int]:
+    """Indices of the points no other point dominates, ``directions`` saying which way x and y are
+    better. Point b dominates a when b is at least as good on both axes and better on one."""
+
+    def better_eq(b: float, a: float, d: Direction) -> bool:
+        return b >= a if d == Direction.MAX else b <= a
+
     front = []
     for i, (x, y) in enumerate(points):
         dominated = any(
-            (x2 <= x and y2 >= y) and (x2 < x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i
+            better_eq(x2, x, directions[0]) and better_eq(y2, y, directions[1]) and (x2 != x or y2 != y)
+            for j, (x2, y2) in enumerate(points)
+            if j != i
         )
         if not dominated:
             front.append(i)
@@ -144,37 +171,42 @@ def _label(r: Row) -> str:
     return f"#{r.trial_number}" if r.trial_number is not None else r.method
 
 
-def plot_pareto(rows: list[Row], path: Path) -> Path:
-    """Speedup vs tree size and vs drafting share, Pareto front highlighted (matplotlib Agg)."""
+def pareto_axes(metric: str) -> list[str]:
+    """The x metrics ``metric`` is plotted against: two of tree size, drafting share and speedup."""
+    return [m for m in ("mean_tree_size", "drafting_share", "speedup") if m != metric][:2]
+
+
+def plot_pareto(rows: list[Row], path: Path, metric: str = "speedup") -> Path:
+    """``metric`` against two cost/benefit axes (:func:`pareto_axes`), the Pareto front (by each
+    metric's direction, :data:`METRICS`) highlighted; matplotlib Agg."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    ydir = check_metric(metric)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, xkey, xlabel in (
-        (axes[0], "mean_tree_size", "mean tree size (tokens verified / step)"),
-        (axes[1], "drafting_share", "drafting share of wall time"),
-    ):
+    for ax, xkey in zip(axes, pareto_axes(metric)):
         pts = [
-            (r, r.metrics[xkey], r.metrics["speedup"])
+            (r, r.metrics[xkey], r.metrics[metric])
             for r in rows
-            if r.metrics.get(xkey) is not None and r.metrics.get("speedup") is not None
+            if r.metrics.get(xkey) is not None and r.metrics.get(metric) is not None
         ]
         if not pts:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         else:
             xy = [(x, y) for _, x, y in pts]
-            front = set(pareto_front(xy))
+            front = set(pareto_front(xy, (METRICS[xkey], ydir)))
             ax.scatter([x for x, _ in xy], [y for _, y in xy], c="tab:grey", label="runs")
             fr = sorted(xy[i] for i in front)
             ax.plot([x for x, _ in fr], [y for _, y in fr], "o-", c="tab:red", label="Pareto front")
             for i, (r, x, y) in enumerate(pts):
                 if i in front:
                     ax.annotate(_label(r), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("speedup vs vanilla")
+        if metric == "speedup":
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel(f"{xkey} ({METRICS[xkey].value} is better)")
+        ax.set_ylabel(f"{metric} ({ydir.value} is better)")
         ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,8 +216,13 @@ def plot_pareto(rows: list[Row], path: Path) -> Path:
 
 
 def best_row(rows: list[Row], metric: str = "speedup") -> Row | None:
+    """The finished row best by ``metric`` (highest, or lowest for a minimised metric)."""
+    direction = check_metric(metric)
     done = [r for r in rows if r.status == "FINISHED" and r.metrics.get(metric) is not None]
-    return max(done, key=lambda r: r.metrics[metric]) if done else None
+    if not done:
+        return None
+    pick = max if direction == Direction.MAX else min
+    return pick(done, key=lambda r: r.metrics[metric])
 
 
 def best_config(row: Row) -> dict[str, dict[str, Any]]:
@@ -226,12 +263,14 @@ def compare(
     metric: str = "speedup",
     console=None,
 ) -> CompareReport:
-    """Collect rows, print the table, write ``pareto.png``, ``runs.json`` and ``best_config.yaml``."""
+    """Collect rows, print the table, write ``pareto.png``, ``runs.json`` and ``best_config.yaml``
+    (best by ``metric`` in its direction)."""
+    check_metric(metric)
     rows = collect_rows(experiment, uri, study)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     render_table(rows, f"{experiment}: {len(rows)} row(s)", console)
-    files = [plot_pareto(rows, out / "pareto.png")]
+    files = [plot_pareto(rows, out / "pareto.png", metric)]
     runs_json = out / "runs.json"
     runs_json.write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
     files.append(runs_json)
@@ -270,7 +309,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experiment", required=True, help="MLflow experiment name")
     p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: sqlite:///<cwd>/mlflow.db)")
     p.add_argument("--study", default=None, help="only the trials of this sweep study")
-    p.add_argument("--metric", default="speedup", help="what 'best' maximises (default speedup)")
+    p.add_argument(
+        "--metric",
+        default="speedup",
+        choices=list(METRICS),
+        help="what 'best' and the Pareto plot optimise (default speedup); "
+        + ", ".join(f"{m}: {d.value}" for m, d in METRICS.items()),
+    )
     p.add_argument(
         "--out-dir",
         default=None,
@@ -287,13 +332,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         args.experiment, args.tracking_uri, out, study=args.study, metric=args.metric, console=console
     )
     if report.best is None:
-        console.print("no finished run with a speedup yet")
+        console.print(f"no finished run with a {args.metric} yet")
     else:
         b = report.best
         console.print(
             f"best: {b['method']} run {b['run_id']}"
             + (f" (trial {b['trial_number']})" if b["trial_number"] is not None else "")
-            + f", speedup {b['metrics']['speedup']:.3f}"
+            + f", {args.metric} {b['metrics'][args.metric]:.3f}"
         )
     for f in report.files:
         console.print(f"wrote {f.resolve()}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+import tracking
 from speculation.config import BenchConfig, ConfigError, from_dict, to_dict
 from sweeps.space import SearchSpace, build_space
 
@@ -73,11 +74,22 @@ class SweepConfig:
     storage: str | None = None
     """Optuna RDB storage URL (any SQLAlchemy URL). Default ``sqlite:///<root>/runs/sweeps/optuna.db``."""
     tracking_uri: str | None = None
-    """MLflow tracking URI. Default ``sqlite:///<root>/mlflow.db``."""
+    """MLflow tracking URI. Default: ``--tracking-uri``, else ``MLFLOW_TRACKING_URI``, else
+    ``sqlite:///<root>/mlflow.db`` (``--tracking-uri`` overrides this field too). On a cluster of
+    more than one node it must be a server every node reaches (``http://HEAD:5000``)."""
     experiment: str | None = None
     """MLflow experiment name. Default ``graftblock-sweep-<study>``."""
     output_dir: str | None = None
-    """Tune storage and trial artifacts. Default ``<root>/runs/sweeps/<study>``."""
+    """Trial artifacts and the comparison. Default ``<root>/runs/sweeps/<study>``."""
+    tune_storage: str | None = None
+    """Ray Tune's ``storage_path``: a directory (relative to ``--root``) or a URI every node
+    reaches (``s3://bucket/path``, ``gs://…``). Default ``<output_dir>``."""
+    shared_filesystem: bool = False
+    """Declare that ``tune_storage`` (a directory) is on a filesystem every node mounts (NFS …);
+    without it a directory is refused on a cluster of more than one node."""
+    retries: int = 1
+    """Times Tune restarts a trial that raised or whose actor died (the retry reuses the trial's
+    MLflow run). Range [0, 10]."""
 
     def __post_init__(self) -> None:
         o = "sweep"
@@ -85,7 +97,7 @@ class SweepConfig:
             raise ConfigError(
                 f"{o}.study must be 1-100 letters, digits or _.- (starting alphanumeric), got {self.study!r}"
             )
-        for name, lo, hi in (("trials", 1, 100000), ("concurrency", 1, 1024)):
+        for name, lo, hi in (("trials", 1, 100000), ("concurrency", 1, 1024), ("retries", 0, 10)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ConfigError(f"{o}.{name} must be an integer in [{lo}, {hi}], got {v!r}")
@@ -117,7 +129,9 @@ class SweepConfig:
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in res.values())
         ):
             raise ConfigError(f"{o}.trial_resources must map Ray resource names to amounts >= 0, got {res!r}")
-        for name in ("storage", "tracking_uri", "experiment", "output_dir"):
+        if not isinstance(self.shared_filesystem, bool):
+            raise ConfigError(f"{o}.shared_filesystem must be true or false, got {self.shared_filesystem!r}")
+        for name in ("storage", "tracking_uri", "experiment", "output_dir", "tune_storage"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v.strip()):
                 raise ConfigError(f"{o}.{name} must be a non-empty string or null, got {v!r}")
@@ -133,8 +147,13 @@ class SweepConfig:
         data = {"dtype": BenchConfig.dtype.value, **self.bench, "methods": (self.method,)}
         return from_dict(BenchConfig, data, where="sweep.bench")
 
-    def resolved(self, root: str | Path) -> "ResolvedPaths":
-        """Absolute locations of everything the sweep writes, relative paths taken from ``root``."""
+    def resolved(self, root: str | Path, tracking_uri: str | None = None) -> "ResolvedPaths":
+        """Absolute locations of everything the sweep writes, relative paths taken from ``root``.
+
+        The tracking URI: ``tracking_uri`` (``--tracking-uri``), else the config's, else
+        ``MLFLOW_TRACKING_URI``, else ``sqlite:///<root>/mlflow.db`` (see
+        :func:`tracking.resolve_uri`).
+        """
         root = Path(root).expanduser().resolve()
         out = _abs_path(self.output_dir, root) if self.output_dir else root / "runs" / "sweeps" / self.study
         storage = (
@@ -142,18 +161,24 @@ class SweepConfig:
             if self.storage
             else f"sqlite:///{root / 'runs' / 'sweeps' / 'optuna.db'}"
         )
-        tracking = (
-            _abs_sqlite(self.tracking_uri, root) if self.tracking_uri else f"sqlite:///{root / 'mlflow.db'}"
-        )
+        uri = _abs_sqlite(tracking.resolve_uri(tracking_uri or self.tracking_uri, default_dir=root), root)
+        if self.tune_storage is None:
+            tune_storage = str(out)
+        elif tune_storage_is_uri(self.tune_storage):
+            tune_storage = self.tune_storage
+        else:
+            tune_storage = str(_abs_path(self.tune_storage, root))
         return ResolvedPaths(
             root=root,
             output_dir=out,
             storage=storage,
-            tracking_uri=tracking,
+            tracking_uri=uri,
             experiment=self.experiment or f"graftblock-sweep-{self.study}",
             artifact_location=str(
                 root / "mlartifacts" / (self.experiment or f"graftblock-sweep-{self.study}")
             ),
+            tune_storage=tune_storage,
+            shared_filesystem=self.shared_filesystem,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -182,10 +207,43 @@ class ResolvedPaths:
     experiment: str
     artifact_location: str
     """MLflow artifact root for experiments this sweep creates (sqlite stores)."""
+    tune_storage: str
+    """Ray Tune's ``storage_path`` (an absolute directory or a URI)."""
+    shared_filesystem: bool
+    """``tune_storage`` (a directory) is mounted on every node."""
 
     @property
     def artifacts_dir(self) -> Path:
         return self.output_dir / "artifacts"
+
+
+def check_cluster(alive_nodes: int, paths: ResolvedPaths) -> None:
+    """Refuse, naming the fix, what only works on one machine when the Ray cluster has more nodes.
+
+    Trials run on any node: each logs to the tracking store and writes to Tune's storage from
+    there. A sqlite (or file) tracking store and a local Tune directory live on one machine only.
+    ``alive_nodes`` is the count of alive nodes in ``ray.nodes()``.
+    """
+    if alive_nodes <= 1:
+        return
+    where = f"the Ray cluster has {alive_nodes} nodes and trials run on any of them"
+    if tracking.store_kind(paths.tracking_uri) == tracking.StoreKind.FILE:
+        raise ConfigError(
+            f"sweep: {where}, but the tracking store {paths.tracking_uri} is a file on one machine; "
+            "use an mlflow server URI (--tracking-uri http://HEAD:5000, or tracking_uri: in the sweep "
+            "YAML; ray_configs/cluster.yaml starts one on the head)"
+        )
+    if not tune_storage_is_uri(paths.tune_storage) and not paths.shared_filesystem:
+        raise ConfigError(
+            f"sweep: {where}, but Tune's storage_path {paths.tune_storage} is a local directory; set "
+            "tune_storage: to a URI every node reaches (s3://bucket/path, gs://...) or to a directory "
+            "every node mounts and declare it with shared_filesystem: true"
+        )
+
+
+def tune_storage_is_uri(p: str) -> bool:
+    """``scheme://...`` other than ``file://`` (a remote filesystem Tune reaches through pyarrow)."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", p) is not None and not p.startswith("file://")
 
 
 def _abs_path(p: str, root: Path) -> Path:
@@ -211,7 +269,7 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"sweep config {path}: not valid YAML ({exc})") from None
+        raise ConfigError(f"sweep config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"sweep config {path}: expected a mapping at the top level")
     for key in ("study", "method", "space"):

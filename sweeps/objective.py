@@ -48,6 +48,7 @@ class TrialContext:
         experiment_id: MLflow experiment id.
         parent_run_id: the sweep's parent run.
         artifacts_dir: absolute directory for trial JSON and plots.
+        source: the runs' source (commit passed in by the submitter: the job has no ``.git``).
     """
 
     study: str
@@ -59,6 +60,7 @@ class TrialContext:
     experiment_id: str
     parent_run_id: str
     artifacts_dir: str
+    source: tracking.RunSource
 
 
 def load_questions(bench: BenchConfig, categories: tuple[str, ...] | None) -> list:
@@ -108,17 +110,20 @@ def _plot_categories(result: dict, method: str, path: Path) -> None:
 def run_trial(
     ctx: TrialContext, number: int, params: dict[str, Any], target, questions: list
 ) -> dict[str, float]:
-    """Run the bench for one point of the space, log it as a nested MLflow run, return metrics."""
-    import mlflow
+    """Run the bench for one point of the space, log it as a nested MLflow run, return metrics.
 
+    A retried trial (same number) reopens its run; whatever stops the bench settles the run
+    (KILLED when the sweep was stopped, FAILED on an error); a dead actor's run is settled by the
+    driver (:class:`sweeps.progress.SettleDeadTrials`).
+    """
     from speculation.bench.runner import run_bench
     from speculation.drafters import resolve_methods
 
     # The full resolved config (defaults included) is what the trial ran: log that, not the delta.
     method_cfg = resolve_methods([ctx.method], {ctx.method: {**ctx.fixed, **params}})[0].config_dict()
-    client = mlflow.MlflowClient(tracking_uri=ctx.tracking_uri)
-    run_id = tracking.start_trial_run(
-        ctx.tracking_uri, ctx.experiment_id, ctx.parent_run_id, ctx.study, number, ctx.method, method_cfg
+    run_id = tracking.open_trial_run(
+        ctx.tracking_uri, ctx.experiment_id, ctx.parent_run_id, ctx.study, number, ctx.method, method_cfg,
+        ctx.source,
     )
     try:
         t0 = time.perf_counter()
@@ -137,12 +142,12 @@ def run_trial(
         flat_params["trial_number"] = number
         all_metrics = {**tracking.bench_metrics(result), **metrics, "trial_wall_s": wall}
     except (KeyboardInterrupt, SystemExit):  # the sweep was stopped, not a failure of this point
-        client.set_terminated(run_id, "KILLED")
+        tracking.set_status(ctx.tracking_uri, run_id, tracking.RunStatus.KILLED)
         raise
     except BaseException:
-        client.set_terminated(run_id, "FAILED")
+        tracking.set_status(ctx.tracking_uri, run_id, tracking.RunStatus.FAILED)
         raise
-    tracking.finish_run(client, run_id, flat_params, all_metrics, (json_path, plot_path))
+    tracking.finish_run(ctx.tracking_uri, run_id, flat_params, all_metrics, (json_path, plot_path))
     return metrics
 
 

@@ -1,7 +1,8 @@
 """Resuming a killed sweep: Optuna-side bookkeeping, reconciled with MLflow.
 
 The Optuna RDB storage is the record of the study. A sweep killed mid-way leaves trials in state
-RUNNING. Before a rerun of the same study asks for new points, each such trial is settled:
+RUNNING. Before a rerun of the same study asks for new points (and after it took the study's
+lease, so no live job owns those trials), each such trial is settled:
 
 1. its MLflow run FINISHED with the objective metric(s) -> the trial did finish (it was killed
    between logging and Tune reporting): it is marked COMPLETE with those values, not re-run;
@@ -71,28 +72,30 @@ def _mlflow_values(
     The trial is RUNNING in Optuna, so a run of it that is not FINISHED was cut short by the kill:
     still RUNNING (the process died), or FAILED (the interruption reached its exception handler).
     """
-    runs = tracking.find_runs(uri, exp_id, {tracking.STUDY_TAG: study, tracking.TRIAL_TAG: str(number)})
-    unfinished = [r.info.run_id for r in runs if r.info.status in ("RUNNING", "FAILED")]
+    runs = tracking.trial_runs(uri, exp_id, study, number)
+    cut = (tracking.RunStatus.RUNNING.value, tracking.RunStatus.FAILED.value)
+    unfinished = [r.run_id for r in runs if r.status in cut]
     for r in runs:
-        if r.info.status == "FINISHED" and all(m in r.data.metrics for m in metrics):
-            return [float(r.data.metrics[m]) for m in metrics], unfinished
+        if r.status == tracking.RunStatus.FINISHED.value and all(m in r.metrics for m in metrics):
+            return [float(r.metrics[m]) for m in metrics], unfinished
     return None, unfinished
 
 
 def settle_interrupted(
     study: optuna.Study, storage: optuna.storages.BaseStorage, uri: str, exp_id: str, metrics: list[str]
 ) -> StudyStatus:
-    """Settle trials left RUNNING by a killed sweep (see module doc) and count the study."""
-    import mlflow
+    """Settle trials left RUNNING by a killed sweep (see module doc) and count the study.
 
-    client = mlflow.MlflowClient(tracking_uri=uri)
+    Call it only while holding the study's lease (:mod:`sweeps.lease`): a RUNNING trial is then
+    known to belong to a dead job, not to a live one.
+    """
     study_id = storage.get_study_id_from_name(study.study_name)
     recovered = requeued = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         tid = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
         values, unfinished = _mlflow_values(uri, exp_id, study.study_name, t.number, metrics)
         for rid in unfinished:
-            client.set_terminated(rid, "KILLED")
+            tracking.set_status(uri, rid, tracking.RunStatus.KILLED)
         if values is not None:
             storage.set_trial_state_values(tid, TrialState.COMPLETE, values)
             recovered += 1

@@ -1,13 +1,16 @@
 """The sweep job: an Optuna study run by Ray Tune, every trial a bench run logged to MLflow.
 
     ray job submit --address http://HEAD:8265 --working-dir . -- \\
-        python -m sweeps.run --config ray_configs/sweep_smoke.yaml --root $PWD
+        python -m sweeps.run --config ray_configs/sweep_smoke.yaml --root $PWD \\
+            --git-commit $(git rev-parse HEAD)
 
 Steps:
 
 1. load and validate the config (knobs against the method's config dataclass), resolve every
-   path against ``--root`` and check the tracking URI answers;
-2. open the study in the RDB storage and settle trials a killed run left RUNNING
+   path against ``--root``, check the tracking URI answers and, on a Ray cluster of more than
+   one node, that the tracking store and Tune's storage are reachable from every node;
+2. open the study in the RDB storage, take its lease (:mod:`sweeps.lease`: a second live job on
+   the same study refuses to start) and settle trials a killed run left RUNNING
    (:mod:`sweeps.resume`); run only the trials still missing;
 3. open (or reuse) the MLflow parent run; Tune runs :class:`~sweeps.objective.BenchTrainable`
    with ``OptunaSearch(storage=…)``, ``reuse_actors=True`` and the concurrency limit, printing
@@ -18,11 +21,18 @@ Steps:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import tracking
 from speculation.config import ConfigError
-from sweeps.config import ResolvedPaths, SweepConfig, load_sweep_config
+from sweeps.config import ResolvedPaths, SweepConfig, check_cluster, load_sweep_config, tune_storage_is_uri
+from sweeps.lease import StudyBusy, StudyLease
 
 
 def _storage(url: str):
@@ -65,28 +75,81 @@ def _best_before(study, objective) -> tuple[float, int] | None:
     return float(best.values[0]), best.number
 
 
-def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, trials_override: int | None = None) -> dict:
-    """Run (or resume) the sweep; returns a summary dict."""
-    from optuna.samplers import TPESampler
-    from ray import tune
-    from ray.tune.search.optuna import OptunaSearch
+def alive_nodes() -> int:
+    """Alive nodes of the connected Ray cluster."""
+    import ray
 
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+
+@contextlib.contextmanager
+def _released_on_sigterm(lease: StudyLease) -> Iterator[None]:
+    """While inside, SIGTERM (``ray job stop``) drops the study's lease, then terminates the process.
+
+    Ray stops a job with SIGTERM and, a few seconds later, SIGKILL; releasing first lets the
+    next submission of the study start at once instead of waiting for the lease to expire.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame) -> None:
+        lease.release()
+        # Then die at once, as without this handler (an exception here could be caught by Tune,
+        # which would keep running trials until the SIGKILL).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, source: tracking.RunSource,
+              trials_override: int | None = None, force: bool = False) -> dict:
+    """Run (or resume) the sweep; returns a summary dict.
+
+    Refuses (ConfigError) a one-machine store on a multi-node cluster and (StudyBusy) a study
+    another live job holds; ``force`` takes the study's lease over.
+    """
     from cluster.deploy import ensure_ray
-    import tracking
     from sweeps import resume
-    from sweeps.objective import BenchTrainable, TrialContext
-    from sweeps.progress import SweepProgress
 
-    total = trials_override or cfg.trials
-    objective = cfg.objective
-    space = cfg.search_space()
     tracking.check_reachable(paths.tracking_uri)
     exp_id = tracking.experiment_id(
         paths.experiment, paths.tracking_uri, artifact_location=paths.artifact_location
     )
-
+    ensure_ray()
+    check_cluster(alive_nodes(), paths)
     storage = _storage(paths.storage)
-    study = resume.create_or_load(storage, cfg.study, objective.directions)
+    study = resume.create_or_load(storage, cfg.study, cfg.objective.directions)
+    lease = StudyLease(storage, cfg.study)
+    lease.acquire(force=force)
+    lease.start_heartbeat()
+    try:
+        with _released_on_sigterm(lease):
+            return _run_leased(cfg, paths, source, trials_override, study, storage, exp_id)
+    finally:
+        lease.release()
+
+
+def _run_leased(cfg: SweepConfig, paths: ResolvedPaths, source: tracking.RunSource,
+                trials_override: int | None, study, storage, exp_id: str) -> dict:
+    """Steps 2-4 of the module doc, with the study's lease held."""
+    from optuna.samplers import TPESampler
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    from sweeps import compare, resume
+    from sweeps.objective import BenchTrainable, TrialContext
+    from sweeps.progress import SweepProgress
+    from sweeps.settle import SettleDeadTrials
+
+    total = trials_override or cfg.trials
+    objective = cfg.objective
+    space = cfg.search_space()
     status = resume.settle_interrupted(study, storage, paths.tracking_uri, exp_id, objective.metrics)
     remaining = status.remaining(total)
     print(
@@ -95,7 +158,7 @@ def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, trials_override: int | Non
         f"{remaining} of {total} trials to run",
         flush=True,
     )
-    parent = tracking.open_sweep_parent(paths.tracking_uri, exp_id, cfg.study, cfg.to_dict())
+    parent = tracking.open_sweep_parent(paths.tracking_uri, exp_id, cfg.study, cfg.to_dict(), source)
     summary = {
         "study": cfg.study,
         "experiment": paths.experiment,
@@ -105,7 +168,6 @@ def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, trials_override: int | Non
         "resumed_from": status.finished,
     }
     if remaining > 0:
-        ensure_ray()
         ctx = TrialContext(
             study=cfg.study,
             method=cfg.method,
@@ -116,6 +178,7 @@ def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, trials_override: int | Non
             experiment_id=exp_id,
             parent_run_id=parent,
             artifacts_dir=str(paths.artifacts_dir),
+            source=source,
         )
         searcher = OptunaSearch(
             space=space.define_by_run,
@@ -129,7 +192,12 @@ def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, trials_override: int | Non
         )
         resources = {k.lower() if k in ("CPU", "GPU") else k: v for k, v in cfg.trial_resources.items()}
         trainable = tune.with_resources(tune.with_parameters(BenchTrainable, context=ctx), resources)
-        attempt = len(list(paths.output_dir.glob("tune-*"))) if paths.output_dir.exists() else 0
+        local_storage = not tune_storage_is_uri(paths.tune_storage)
+        attempt = 0
+        if local_storage:
+            tune_dir = Path(paths.tune_storage)
+            attempt = len(list(tune_dir.glob("tune-*"))) if tune_dir.exists() else 0
+            tune_dir.mkdir(parents=True, exist_ok=True)
         paths.output_dir.mkdir(parents=True, exist_ok=True)
         tuner = tune.Tuner(
             trainable,
@@ -140,21 +208,20 @@ def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, trials_override: int | Non
                 reuse_actors=True,
             ),
             run_config=tune.RunConfig(
-                name=f"tune-{attempt}",
-                storage_path=str(paths.output_dir),
+                name=f"tune-{attempt}" if local_storage else f"tune-{cfg.study}-{len(study.trials)}",
+                storage_path=paths.tune_storage,
                 callbacks=[
                     SweepProgress(
                         cfg.study, total, status.finished, objective, _best_before(study, objective)
-                    )
+                    ),
+                    SettleDeadTrials(paths.tracking_uri, exp_id, cfg.study),
                 ],
                 verbose=0,
-                failure_config=tune.FailureConfig(max_failures=0),
+                failure_config=tune.FailureConfig(max_failures=cfg.retries),
             ),
         )
         grid = tuner.fit()
         summary["errors"] = len(grid.errors)
-    from sweeps import compare
-
     report = compare.compare(
         paths.experiment, paths.tracking_uri, paths.output_dir / "compare", study=cfg.study
     )
@@ -164,27 +231,18 @@ def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, trials_override: int | Non
 
 
 def _finish_parent(uri: str, parent: str, report, study, total: int) -> None:
-    import mlflow
     from optuna.trial import TrialState
 
-    import tracking
-
-    client = mlflow.MlflowClient(tracking_uri=uri)
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
     metrics = {"trials_complete": float(len(complete))}
     if report.best is not None:
         metrics.update({f"best.{k}": float(v) for k, v in report.best["metrics"].items() if v is not None})
-    tracking.log_batch(client, parent, {}, metrics)
-    for p in report.files:
-        client.log_artifact(parent, str(p))
     # Fewer complete trials than asked means some failed (a killed sweep never gets here).
-    client.set_terminated(parent, "FINISHED" if len(complete) >= total else "FAILED")
+    tracking.finish_sweep_parent(uri, parent, metrics, report.files, complete=len(complete) >= total)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m sweeps.run", description="Run (or resume) an Optuna sweep on Ray."
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The sweep's options (shared by ``python -m sweeps.run`` and ``graftblock sweep``)."""
     p.add_argument("--config", required=True, help="sweep YAML, e.g. ray_configs/sweep_smoke.yaml")
     p.add_argument(
         "--root",
@@ -193,34 +251,58 @@ def build_parser() -> argparse.ArgumentParser:
         "under `ray job submit` pass --root $PWD, the job runs in a temporary copy)",
     )
     p.add_argument("--trials", type=int, default=None, help="override the config's trial count")
+    p.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow URI (default: the config's tracking_uri, else MLFLOW_TRACKING_URI, "
+        "else sqlite:///<root>/mlflow.db); a multi-node cluster needs a server, e.g. http://HEAD:5000",
+    )
+    p.add_argument(
+        "--git-commit",
+        default=None,
+        help="commit the runs record (default: git rev-parse HEAD of this checkout; a Ray job's copy "
+        "has no .git, so submit with --git-commit $(git rev-parse HEAD))",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="take the study over even if another sweep job's lease on it looks live",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sweeps.run", description="Run (or resume) an Optuna sweep on Ray."
+    )
+    add_arguments(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = load_sweep_config(args.config)
-        if args.trials is not None and args.trials < 1:
-            raise ConfigError(f"--trials must be >= 1, got {args.trials}")
-        root = Path(args.root) if args.root else Path.cwd()
-        if args.root is None and "runtime_resources" in str(Path.cwd().resolve()):
-            print(
-                "[sweep] warning: running in a Ray job's temporary working directory without --root; "
-                "results written under it are lost when the job ends (pass --root $PWD)",
-                file=sys.stderr,
-            )
-        paths = cfg.resolved(root)
-        summary = run_sweep(cfg, paths, args.trials)
-    except ConfigError as exc:
-        print(f"sweep: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        from tracking import TrackingError
+def _source(git_commit: str | None) -> tracking.RunSource:
+    commit = tracking.check_commit(git_commit) if git_commit else tracking.git_commit()
+    if commit is None:
+        print(
+            "[sweep] warning: no git commit known (a Ray job's copy of the checkout has no .git); "
+            "runs will not record one: submit with --git-commit $(git rev-parse HEAD)",
+            file=sys.stderr,
+        )
+    return tracking.RunSource(name="graftblock sweep", type=tracking.SourceType.JOB, commit=commit)
 
-        if isinstance(exc, TrackingError):
-            print(f"sweep: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the sweep the parsed arguments describe; prints the summary line."""
+    cfg = load_sweep_config(args.config)
+    if args.trials is not None and args.trials < 1:
+        raise ConfigError(f"--trials must be >= 1, got {args.trials}")
+    root = Path(args.root) if args.root else Path.cwd()
+    if args.root is None and "runtime_resources" in str(Path.cwd().resolve()):
+        print(
+            "[sweep] warning: running in a Ray job's temporary working directory without --root; "
+            "results written under it are lost when the job ends (pass --root $PWD)",
+            file=sys.stderr,
+        )
+    paths = cfg.resolved(root, tracking_uri=args.tracking_uri)
+    summary = run_sweep(cfg, paths, _source(args.git_commit), args.trials, force=args.force)
     best = summary.get("best")
     line = (
         "no finished trial yet"
@@ -236,6 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run_from_args(args)
+    except (ConfigError, ValueError, tracking.TrackingError, StudyBusy) as exc:
+        print(f"sweep: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 * :func:`tiny_llama` (:func:`shared_tiny_llama`: built once and cached) / :func:`tiny_target`: a 4-layer random Llama (fp32, sdpa) and its
   :class:`~speculation.target.TargetModel` with aux layers (1, 2, 3);
+* :func:`tiny_tokenizer`: a word-level tokenizer for the tiny models (saved with them);
 * :func:`full_logits`: plain no-cache forward, the reference for exactness checks;
 * :class:`RandomTreeDrafter`: random multi-branch trees from the drafter's own seeded RNG;
 * :class:`GreedyOracleDrafter`: hides the target's greedy continuation in a random tree;
@@ -70,6 +71,17 @@ def tiny_llama(
 def shared_tiny_llama(vocab_size: int = 64, seed: int = 0, lm_head_scale: float = 1.0) -> LlamaForCausalLM:
     """:func:`tiny_llama`, built once per argument set and shared (callers must not modify it)."""
     return tiny_llama(vocab_size=vocab_size, seed=seed, lm_head_scale=lm_head_scale)
+
+
+def tiny_tokenizer(vocab_size: int = 64, eos_token: int | None = None):
+    """A word-level tokenizer over ``t0 .. t{vocab_size-1}`` (id i = ``t{i}``), EOS ``t{eos_token}``
+    if given: what a saved tiny model directory needs to load like a real one."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    eos = {} if eos_token is None else {"eos_token": f"t{eos_token}"}
+    return PreTrainedTokenizerFast(tokenizer_object=words, **eos)
 
 
 def tiny_target(model: LlamaForCausalLM | None = None, **kwargs) -> TargetModel:

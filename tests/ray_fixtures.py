@@ -41,9 +41,10 @@ def ray_local():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A saved 4-layer random Llama (fp32) that shard actors load from disk."""
-    from tests.helpers import tiny_llama
+    """A saved 4-layer random Llama (fp32, no EOS) and its tokenizer, that shard actors load from disk."""
+    from tests.helpers import tiny_llama, tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     tiny_llama().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path

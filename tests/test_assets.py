@@ -122,6 +122,46 @@ def test_offline_hub_id(monkeypatch):
         assert alias in message
 
 
+def test_one_resolver_for_alias_directory_and_hub_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    alias = assets.resolve_model("smollm2-135m")
+    assert alias == assets.ModelSource("smollm2-135m", str(resolve_model_dir("smollm2-135m")), from_hub=False)
+    assert assets.resolve_model(alias.location).location == alias.location
+    hub = assets.resolve_model("owner/some-model")
+    assert hub.from_hub and hub.offline_why == "HF_HUB_OFFLINE is set"
+    assert hub.load_kwargs() == {"local_files_only": True}
+    with pytest.raises(AssetError, match="not a model alias"):
+        assets.resolve_model("no such model")
+
+
+def test_layer_count_from_the_config_without_weights(monkeypatch):
+    """model_num_layers reads config.json only: it works with the weights loader disabled."""
+    from transformers import AutoModelForCausalLM
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    assert assets.model_num_layers("smollm2-135m") == 30
+    with pytest.raises(AssetError, match="no network"):
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        assets.model_num_layers("graftblock-test/definitely-not-cached-model")
+
+
+def test_layer_range_keeps_only_those_layers(tmp_path):
+    from tests.helpers import tiny_llama
+
+    full = tiny_llama()
+    full.save_pretrained(tmp_path)
+    part = assets.load_model(str(tmp_path), torch.float32, layers=range(1, 3))
+    kept = [i for i, layer in enumerate(part.model.layers) if any(True for _ in layer.parameters())]
+    assert kept == [1, 2]
+    name = "model.layers.2.mlp.up_proj.weight"
+    assert torch.equal(part.state_dict()[name], full.state_dict()[name])
+    with pytest.raises(ValueError, match="layer range"):
+        assets.load_model(str(tmp_path), torch.float32, layers=range(2, 9))
+
+
 # ----------------------------------------------------------------------------- wheels
 
 

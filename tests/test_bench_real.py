@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +69,10 @@ def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch):
     assert len(runs) == 1
     assert "retrieval.speedup" in runs[0].data.metrics
     assert [a.path for a in client.list_artifacts(runs[0].info.run_id)] == ["b.json"]
+    head = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent.parent), "rev-parse", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert runs[0].data.tags["mlflow.source.git.commit"] == head  # the run records its commit
+    assert runs[0].data.tags["mlflow.source.name"] == "graftblock bench"
 
 
 @pytest.mark.parametrize(

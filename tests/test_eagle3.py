@@ -18,7 +18,7 @@ import torch
 from adaptation.eagle3_loss import ttt_unroll
 from speculation.config import ConfigError, Eagle3Config, EngineConfig, SamplingConfig
 from speculation.drafters import DrafterType, build_drafter, resolve_methods
-from speculation.drafters.base import DraftContext, Drafter
+from speculation.drafters.base import DraftContext, Drafter, WeightSwappable
 from speculation.drafters.eagle3 import Eagle3Drafter, build_eagle3_drafter, random_model
 from speculation.drafters.checkpoint import (
     CheckpointError,
@@ -139,8 +139,12 @@ def test_observe_and_reencode_after_weight_swap_keep_output_exact():
 
     res = generate_speculative(target, drafter, prompt, greedy(30), feedback=feedback)
     assert res.tokens == ref and len(swaps) == 3
-    sd = drafter.model.state_dict()
-    assert all(torch.equal(sd[k], other[k].to(sd[k].dtype)) for k in other)
+    assert isinstance(drafter, WeightSwappable)
+    sd = drafter.state_dict()
+    assert sd.keys() == other.keys() and all(torch.equal(sd[k], other[k].to(sd[k].dtype)) for k in other)
+    drafter.load_state_dict(random_model(target, 48, seed=3).state_dict())
+    now = drafter.state_dict()
+    assert any(not torch.equal(sd[k], now[k]) for k in sd)  # sd was a copy, not a live view
 
 
 def test_swap_is_a_copy_and_rejects_other_architectures():

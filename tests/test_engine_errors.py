@@ -175,7 +175,7 @@ class _FailingDrafter:
 def test_bad_input_loses_nothing():
     """After each kind of rejected request the same target and drafter serve valid ones exactly."""
     target = tiny_target(_model())
-    drafter = RetrievalDrafter(RetrievalConfig(budget=8), VOCAB)
+    drafter = RetrievalDrafter(RetrievalConfig(budget=8, cost_aware=False), VOCAB)
     ref_greedy = generate_vanilla(target, PROMPT, greedy()).tokens
     ref_sampled = generate_vanilla(target, PROMPT, sampled()).tokens
     assert generate_speculative(target, drafter, PROMPT, greedy()).tokens == ref_greedy
@@ -210,3 +210,31 @@ def test_dtype_parse_accepts_members_aliases_and_rejects_others():
     assert BenchConfig().dtype is DType.BFLOAT16
     with pytest.raises(ConfigError, match="dtype"):
         DType.parse("float16")
+
+
+def test_generation_releases_the_sequence_even_when_a_step_fails():
+    """Both loops release the target's sequence (its KV cache) when generation ends, normally or not."""
+    from speculation.target import ReleasedSequenceError
+
+    target = tiny_target(_model())
+    released = []
+    release = target.release
+
+    def spy(state) -> None:
+        released.append(state)
+        release(state)
+
+    target.release = spy  # type: ignore[method-assign]
+    generate_vanilla(target, PROMPT, greedy())
+    generate_speculative(target, RetrievalDrafter(RetrievalConfig(budget=8, cost_aware=False), VOCAB), PROMPT, greedy())
+    assert len(released) == 2 and all(s.cache is None for s in released)
+    with pytest.raises(ReleasedSequenceError, match="released"):
+        target.decode(released[0], 1)
+
+    class Failing(RetrievalDrafter):
+        def propose(self, ctx):
+            raise RuntimeError("drafter broke")
+
+    with pytest.raises(RuntimeError, match="drafter broke"):
+        generate_speculative(target, Failing(RetrievalConfig(cost_aware=False), VOCAB), PROMPT, greedy())
+    assert len(released) == 3 and released[-1].cache is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from speculation.config import EngineConfig, RetrievalConfig, SamplingConfig
+from speculation.cost import VerifyCostModel
 from speculation.drafters.base import DraftContext, Drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.engine import generate_speculative, generate_vanilla
@@ -41,8 +42,11 @@ def greedy_cfg(n: int = NEW, stop_at_eos: bool = False) -> EngineConfig:
 
 DRAFTERS = {
     "random-tree": lambda model: RandomTreeDrafter(VOCAB, seed=3),
-    "retrieval": lambda model: RetrievalDrafter(RetrievalConfig(budget=8), VOCAB),
-    "retrieval-default": lambda model: RetrievalDrafter(RetrievalConfig(), VOCAB),
+    "retrieval": lambda model: RetrievalDrafter(RetrievalConfig(budget=8, cost_aware=False), VOCAB),
+    # Default knobs, cost-aware: trees cut by a verify curve that makes mid-size trees pay off.
+    "retrieval-default": lambda model: RetrievalDrafter(
+        RetrievalConfig(), VOCAB, VerifyCostModel.from_curve({1: 1.0, 4: 1.1, 8: 1.6, 25: 4.0})
+    ),
     "oracle": lambda model: GreedyOracleDrafter(model, seed=5),
 }
 
@@ -144,3 +148,33 @@ def test_eos_inside_an_accepted_path_is_truncated_mid_step():
     assert res.tokens == full[: j + 1]
     last = res.steps[-1]
     assert last.tokens_gained < last.accepted + 1, "EOS did not land inside an accepted path"
+
+
+def test_bench_records_the_report_of_reportable_drafters_only():
+    """run_bench stores ``drafter_report`` for a drafter implementing Reportable, nothing for others."""
+    from speculation import assets
+    from speculation.bench.runner import run_bench
+    from speculation.config import BenchConfig
+    from speculation.drafters import Reportable
+    from tests.helpers import tiny_tokenizer
+
+    class ReportingRetrieval(RetrievalDrafter):
+        def report(self) -> dict:
+            return {"budget_rule": "fixed", "budget": self.config.budget}
+
+    fixed = RetrievalConfig(budget=8, cost_aware=False)
+    assert isinstance(ReportingRetrieval(fixed, VOCAB), Reportable)
+    assert not isinstance(RetrievalDrafter(fixed, VOCAB), Reportable)
+    target = TargetModel(_model(), tiny_tokenizer(VOCAB), aux_layers=(1, 2, 3))
+
+    def parts(spec):
+        cls = ReportingRetrieval if spec.name == "reporting" else RetrievalDrafter
+        return target, cls(spec.config, VOCAB)
+
+    cfg = BenchConfig(methods=("reporting", "plain"), model="tiny", dtype="float32", warmup=0, max_new_tokens=8)
+    methods = {"reporting": {"type": "retrieval", "budget": 8, "cost_aware": False},
+               "plain": {"type": "retrieval", "budget": 8, "cost_aware": False}}
+    out = run_bench(cfg, target, [assets.Question("q0", "cat", ("t1 t2 t3",))], methods, method_parts=parts)
+    assert out["methods"]["reporting"]["drafter_report"] == {"budget_rule": "fixed", "budget": 8}
+    assert "drafter_report" not in out["methods"]["plain"]
+    assert out["methods"]["reporting"]["lossless"] is True

@@ -2,8 +2,10 @@
 
 Eight Spec-Bench questions (``spec_bench_refs``: one per category, first turn, 64 new tokens),
 with (a) stages (0, 1, 5) over the committed EAGLE-3 checkpoint, thresholds set so that every
-stage occurs (retrieval only, pruned at depth 1 plus grafts, dense depth 5 plus grafts), and
-(b) "retrieval only" on every step (stages = [0]). Runtime: about 1 minute on 2 CPU cores.
+stage occurs (retrieval only, pruned at depth 1 plus grafts, dense depth 5 plus grafts), (b) the
+built-in ``graft_specblock`` method over the committed SpecBlock checkpoint, stages (0, 4, 8):
+retrieval only, pruned after block 1, dense after block 2, each with grafts, and (c) "retrieval
+only" on every step (stages = [0]). Runtime: about 2 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -11,20 +13,42 @@ from __future__ import annotations
 import pytest
 
 from speculation.config import GraftConfig
+from speculation.drafters import build_drafter, resolve_methods
 from speculation.drafters.graft import build_graft_drafter
+from speculation.drafters.specblock import SpecBlockDrafter
 from tests.helpers import RecordingDrafter, assert_lossless_on_refs
 
 pytestmark = pytest.mark.slow
+
+
+def _stages_seen(drafter: RecordingDrafter, stages: tuple[int, ...]) -> dict[int, int]:
+    seen = [int(p.stats["stage"]) for p in drafter.proposals]
+    return {s: seen.count(s) for s in stages}
 
 
 def test_every_stage_is_lossless_on_spec_bench(smol_fp32, spec_bench_refs):
     cfg = GraftConfig(stages=(0, 1, 5), threshold=0.4, retrieval_confidence=2.0, dense_budget=32)
     drafter = RecordingDrafter(build_graft_drafter(cfg, smol_fp32))
     tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
-    stages = [int(p.stats["stage"]) for p in drafter.proposals]
-    seen = {s: stages.count(s) for s in cfg.stages}
+    seen = _stages_seen(drafter, cfg.stages)
     print(f"graft tau {tau:.2f}, steps per stage {seen}")
     assert all(seen.values()), f"a stage never occurred, so it was not tested: {seen}"
+    assert tau > 1.2
+
+
+def test_graft_over_specblock_is_lossless_on_spec_bench(smol_fp32, spec_bench_refs):
+    """The built-in method ``graft_specblock`` (no --config needed), sized like the EAGLE-3 case."""
+    spec = resolve_methods(["graft_specblock"], {"graft_specblock": {
+        "threshold": 0.4, "retrieval_confidence": 2.0, "dense_budget": 32}})[0]
+    assert spec.config.stages == (0, 4, 8) and spec.config.tree_type == "specblock"
+    drafter = RecordingDrafter(build_drafter(spec, smol_fp32))
+    assert isinstance(drafter.inner.drafter, SpecBlockDrafter)
+    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
+    seen = _stages_seen(drafter, spec.config.stages)
+    grafted = sum(p.stats["grafted"] > 0 for p in drafter.proposals)
+    print(f"graft over specblock tau {tau:.2f}, steps per stage {seen}, steps with grafts {grafted}")
+    assert all(seen.values()), f"a stage never occurred, so it was not tested: {seen}"
+    assert grafted > 0
     assert tau > 1.2
 
 

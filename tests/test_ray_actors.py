@@ -86,6 +86,26 @@ def test_tiny_ray_equals_single_process(deployments, tiny, n_shards):
             assert generate_speculative(dep.backend, dep.drafter(costed), prompt, ENGINE).tokens == vanilla
 
 
+def test_finished_sequences_are_released_on_every_shard(deployments, tiny):
+    """Generation (and the c(T) measurement) release their sequences: afterwards no shard holds
+    one, where before only the LRU bound (topology.max_sequences) ever freed them."""
+    import ray
+
+    dep = deployments[2]
+    spec = resolve_methods(["retrieval"], {"retrieval": {"cost_aware": False, "budget": 8}})[0]
+    with single_thread():
+        prompt = _prompts(5)[0]
+        state, _, _ = dep.backend.prefill(prompt)
+        live = ray.get([s.sequences.remote() for s in dep.shards])
+        assert all(state.seq_id in seqs for seqs in live)  # the query sees live sequences
+        dep.backend.release(state)
+        generate_vanilla(dep.backend, prompt, ENGINE)
+        generate_speculative(dep.backend, dep.drafter(spec), prompt, ENGINE)
+        dep.drafter(resolve_methods(["retrieval"], {"retrieval": {"budget": 4}})[0])  # measures c(T)
+    assert ray.get([s.sequences.remote() for s in dep.shards]) == [[], []]
+    dep.backend.sync()  # the release calls themselves succeeded
+
+
 FEATURE_DRAFTERS = {
     "eagle3": {"checkpoint": "random", "draft_vocab_size": 48, "total_tokens": 12, "depth": 3, "top_k": 3},
     "specblock": {"checkpoint": "random", "draft_vocab_size": 48, "total_tokens": 12, "beam": 3, "block_size": 3},
@@ -140,7 +160,7 @@ class _Oracle(GreedyOracleDrafter):
 
 
 class _LinearDrafter:
-    """A drafter with weights: proposes argmax(W[root]) as a single child."""
+    """A drafter with weights (a WeightSwappable): proposes argmax(W[root]) as a single child."""
 
     name = "linear"
     needs_aux = False
@@ -149,6 +169,9 @@ class _LinearDrafter:
     def __init__(self, vocab: int) -> None:
         self.w = torch.nn.Linear(vocab, vocab, bias=False)
         torch.nn.init.zeros_(self.w.weight)
+
+    def state_dict(self):
+        return self.w.state_dict()
 
     def load_state_dict(self, state):
         self.w.load_state_dict(state)
@@ -235,9 +258,10 @@ def test_smollm2_two_shards_equal_single_process(ray_local):  # noqa: F811
         Topology(shards=2, **TOPO),
         "smollm2-135m",
         "float32",
-        eos_token_ids=target.eos_token_ids,
         local_target=target,
     ) as dep:
+        # The shards load the tokenizer too and apply the in-process target's EOS rule.
+        assert dep.backend.eos_token_ids == target.eos_token_ids
         for text in prompts:
             ids = assets.encode_turn(tok, [], text)
             vanilla = generate_vanilla(target, ids, engine).tokens

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cluster.topology import Topology
-from tests.helpers import TINY_AUX_LAYERS, random_tree, single_thread, tiny_llama, tiny_target
+from tests.helpers import TINY_AUX_LAYERS, random_tree, single_thread, tiny_llama, tiny_target, tiny_tokenizer
 from workers.shard import ShardSpec, StepInput, StepKind, TargetShard, UnknownSequenceError, UnsupportedModelError
 
 
@@ -154,3 +154,99 @@ def test_sharded_forward_on_cuda_matches(dtype):
         target.commit(state, tree, [0])
         for s in shards:
             s.commit("s", len(tree), [0])
+
+
+def _layer0_inputs(model) -> tuple[list, object]:
+    """Record the attention mask and positions every call hands to decoder layer 0."""
+    seen: list = []
+
+    def hook(_module, _args, kwargs):
+        seen.append((kwargs["attention_mask"], kwargs["position_ids"]))
+
+    return seen, model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("n_shards", [1, 2])
+def test_tree_mask_positions_and_eos_are_the_target_models(n_shards):
+    """For the same model and tree, layer 0 receives the same mask and positions from a shard
+    pipeline as from TargetModel, and both stop at the same EOS set (generation config and
+    tokenizer both count)."""
+    from speculation.target import TargetModel
+
+    with single_thread():
+        model = tiny_llama(eos_token_id=5)
+        tok = tiny_tokenizer(eos_token=7)
+        target = TargetModel(model, tok, aux_layers=TINY_AUX_LAYERS)
+        ranges = Topology(shards=n_shards).layer_ranges(4)
+        shards = [
+            TargetShard(ShardSpec("tiny", "float32", k, n_shards, r.start, r.stop), model=model, tokenizer=tok)
+            for k, r in enumerate(ranges)
+        ]
+        assert target.eos_token_ids == frozenset({5, 7})
+        assert all(s.info.eos_token_ids == target.eos_token_ids for s in shards)
+        rng = random.Random(n_shards)
+        ids = [rng.randrange(64) for _ in range(9)]
+        state, _, _ = target.prefill(ids)
+        _run(shards, "s", StepInput(StepKind.PREFILL, np.array(ids)))
+        seen, handle = _layer0_inputs(model)
+        try:
+            for _ in range(3):
+                tree = random_tree(rng, rng.randrange(64), 64, max_nodes=10)
+                target.verify(state, tree)
+                _run(shards, "s", _tree_step(tree, aux=()))
+                (mask_ref, pos_ref), (mask_got, pos_got) = seen[-2:]
+                assert mask_ref.shape == (1, 1, len(tree), state.length)
+                assert torch.equal(mask_ref, mask_got) and torch.equal(pos_ref, pos_got)
+                target.commit(state, tree, [0])
+                for s in shards:
+                    s.commit("s", len(tree), [0])
+        finally:
+            handle.remove()
+
+
+def test_shard_loads_only_its_layer_range_through_the_one_loader(tmp_path):
+    """A shard given a model directory loads it through speculation.assets (the loader every
+    target uses) and keeps its layers only; its forward still equals TargetModel's."""
+    from speculation import assets
+    from speculation.target import TargetModel
+
+    with single_thread():
+        model = tiny_llama(lm_head_scale=3.0)
+        model.save_pretrained(tmp_path)
+        tiny_tokenizer().save_pretrained(tmp_path)
+        assert assets.model_num_layers(str(tmp_path)) == 4
+        # The reference loads the same files the same way (a copy made another way may round
+        # differently in the last bit: weight layout picks the matmul kernel).
+        target = TargetModel(*assets.load_model_and_tokenizer(str(tmp_path)), aux_layers=TINY_AUX_LAYERS)
+        shards = [TargetShard(ShardSpec(str(tmp_path), "float32", k, 2, 2 * k, 2 * k + 2)) for k in range(2)]
+        assert sorted(shards[1].layers) == ["2", "3"]
+        assert sum(s.parameter_count() for s in shards) == sum(p.numel() for p in model.parameters())
+        ids = [3, 1, 4, 1, 5, 9, 2, 6]
+        _, logits, aux = target.prefill(ids, need_aux=True)
+        got, got_aux = _run(shards, "s", StepInput(StepKind.PREFILL, np.array(ids), aux_layers=TINY_AUX_LAYERS))
+        assert torch.equal(logits, got) and torch.equal(aux, got_aux)
+
+
+def test_both_targets_satisfy_the_target_backend_protocol():
+    """TargetModel and RayTargetBackend are TargetBackends structurally (no inheritance), with the
+    protocol's method signatures (parameter names, in order)."""
+    import inspect
+
+    from cluster.backend import RayTargetBackend
+    from speculation.engine import TargetBackend
+    from speculation.target import TargetModel
+    from workers.shard import TargetInfo
+
+    info = TargetInfo(num_layers=4, hidden_size=32, vocab_size=64, max_context=256, sliding_window=None,
+                      eos_token_ids=frozenset())
+    backends = [tiny_target(tiny_llama()), RayTargetBackend([object()], info)]
+    methods = ["check_fits", "prefill", "decode", "verify", "commit", "truncate", "release"]
+    for backend in backends:
+        assert isinstance(backend, TargetBackend), type(backend).__name__
+        assert TargetBackend not in type(backend).__mro__
+        for name in methods:
+            want = list(inspect.signature(getattr(TargetBackend, name)).parameters)
+            got = list(inspect.signature(getattr(type(backend), name)).parameters)
+            assert got == want, f"{type(backend).__name__}.{name}{got} != protocol {want}"
+    assert not isinstance(object(), TargetBackend)
+    assert {TargetModel, RayTargetBackend} == {type(b) for b in backends}

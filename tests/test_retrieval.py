@@ -134,8 +134,54 @@ def test_cost_model_rejects_bad_curves():
 
 def test_cost_aware_drafter_cuts_low_value_nodes():
     cfg = RetrievalConfig(budget=16, transition_topk=2, cost_aware=True)
-    d = RetrievalDrafter(cfg, vocab_size=50)
-    d.cost_model = VerifyCostModel.from_curve({1: 0.05, 2: 0.5})  # any speculation is ruinous
+    ruinous = VerifyCostModel.from_curve({1: 0.05, 2: 0.5})  # any speculation is ruinous
+    d = RetrievalDrafter(cfg, vocab_size=50, cost_model=ruinous)
     ctx = DraftContext(tokens=[1, 2, 3, 1, 2], prompt_len=5)
     d.begin(ctx, None)
     assert len(d.propose(ctx).tree) == 1
+
+
+def test_cost_aware_drafter_without_a_cost_model_names_the_field():
+    with pytest.raises(ConfigError, match=r"retrieval\.cost_aware"):
+        RetrievalDrafter(RetrievalConfig(cost_aware=True), vocab_size=50)
+    assert RetrievalDrafter(RetrievalConfig(cost_aware=False), vocab_size=50).cost_model is None
+
+
+def test_verify_curve_size_is_budget_plus_root_when_cost_aware():
+    assert RetrievalConfig(budget=24, cost_aware=True).verify_curve_size() == 25
+    assert RetrievalConfig(budget=24, cost_aware=False).verify_curve_size() == 0
+
+
+def test_build_drafter_measures_the_curve_only_when_none_is_given(monkeypatch):
+    """build_drafter passes a given c(T) through, and measures one on the target otherwise."""
+    import speculation.drafters as drafters
+    from tests.helpers import shared_tiny_llama, tiny_target
+
+    target = tiny_target(shared_tiny_llama(vocab_size=50))
+    spec = drafters.resolve_methods(["retrieval"], {"retrieval": {"budget": 6}})[0]
+    given = VerifyCostModel.from_curve({1: 0.1, 7: 0.2})
+    calls: list[int] = []
+
+    def fake_measure(t, max_size: int) -> VerifyCostModel:
+        assert t is target
+        calls.append(max_size)
+        return VerifyCostModel.from_curve({1: 0.1, max_size: 0.3})
+
+    monkeypatch.setattr(drafters, "measure_cost_model", fake_measure)
+    assert drafters.build_drafter(spec, target, given).cost_model is given
+    assert calls == []
+    measured = drafters.build_drafter(spec, target).cost_model
+    assert calls == [7] and measured is not None and measured.sizes == (1, 7)
+    fixed = drafters.resolve_methods(["retrieval"], {"retrieval": {"cost_aware": False}})[0]
+    assert drafters.build_drafter(fixed, target).cost_model is None and calls == [7]
+
+
+def test_measured_cost_model_is_reused_per_target():
+    """c(T) is measured once per target and size (a second drafter pays nothing)."""
+    from speculation.cost import measure_cost_model
+    from tests.helpers import shared_tiny_llama, tiny_target
+
+    target = tiny_target(shared_tiny_llama(vocab_size=50))
+    first = measure_cost_model(target, max_size=4, repeats=1)
+    assert first.sizes == (1, 2, 4)
+    assert measure_cost_model(target, max_size=4, repeats=1) == first

@@ -7,8 +7,9 @@ with plain full forwards and :func:`speculation.verify.target_probs` gives the E
 distribution ``p*`` of the first ``K = 3`` generated tokens (about 120 sequences have mass).
 
 Each decoding loop under test (vanilla; speculative with random multi-branch trees; speculative
-with the retrieval drafter; with a random EAGLE-3 head; with Graft over it) draws ``N = 2000`` independent 3-token continuations of one prompt,
-every sample with its own ``SamplingConfig.seed``.
+with the retrieval drafter; with a random EAGLE-3 head; with a random SpecBlock head; with Graft over
+each of them) draws ``N = 2000`` independent 3-token continuations of one prompt, every sample with its
+own ``SamplingConfig.seed``.
 
 * Null hypothesis H0: the samples are i.i.d. draws from ``p*`` (the loop is lossless).
 * Statistic: Pearson's chi-square ``X^2 = sum_c (O_c - E_c)^2 / E_c`` over the cells of ``p*``
@@ -57,7 +58,7 @@ from speculation.drafters.specblock import build_specblock_drafter
 from speculation.engine import generate_speculative, generate_vanilla
 from speculation.drafters.graft import build_graft_drafter
 from speculation.tree import ROOT, DraftTree
-from tests.helpers import RandomTreeDrafter, full_logits, shared_tiny_llama, tiny_target
+from tests.helpers import RandomTreeDrafter, RecordingDrafter, full_logits, shared_tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -209,7 +210,7 @@ def _random_tree_drafter(target):
 
 
 def _retrieval_drafter(target):
-    return RetrievalDrafter(RetrievalConfig(budget=8), VOCAB)
+    return RetrievalDrafter(RetrievalConfig(budget=8, cost_aware=False), VOCAB)
 
 
 def _eagle3_drafter(target):
@@ -220,9 +221,21 @@ def _eagle3_drafter(target):
 
 
 def _graft_drafter(target):
-    """Graft over a random EAGLE-3 head, with settings that mix all three stages (0, 1, 3)."""
-    cfg = GraftConfig(stages=(0, 1, 3), threshold=0.6, retrieval_confidence=1.0, dense_budget=10, graft_budget=4,
-                      top_k=3, checkpoint="random", draft_vocab_size=VOCAB)
+    """Graft over a random EAGLE-3 head, with settings that mix all three stages (0, 1, 3) and
+    leave free slots to graft into (checked by test_graft_settings_mix_every_stage_and_graft)."""
+    cfg = GraftConfig(tree_drafter={"type": "eagle3", "top_k": 3, "checkpoint": "random", "draft_vocab_size": VOCAB},
+                      stages=(0, 1, 3), threshold=0.8, retrieval_confidence=2.0, dense_budget=10, graft_budget=4,
+                      stage_budgets=(0, 3, 7))
+    return build_graft_drafter(cfg, target)
+
+
+def _graft_specblock_drafter(target):
+    """Graft over a random SpecBlock head (K = 2, rank head on, give-up stops chains): stage 0, one
+    block, two blocks, with free slots to graft into."""
+    tree = {"type": "specblock", "checkpoint": "random", "draft_vocab_size": VOCAB, "block_size": 2, "beam": 3,
+            "slot_widths": (2, 2, 3, 0), "adaptive_widths": False}
+    cfg = GraftConfig(tree_drafter=tree, stages=(0, 2, 4), threshold=1.0, retrieval_confidence=2.0, dense_budget=10,
+                      graft_budget=4, stage_budgets=(0, 4, 7))
     return build_graft_drafter(cfg, target)
 
 
@@ -240,6 +253,7 @@ DRAFTERS = {
     "eagle3": _eagle3_drafter,
     "graft": _graft_drafter,
     "specblock": _specblock_drafter,
+    "graft_specblock": _graft_specblock_drafter,
 }
 
 
@@ -258,6 +272,18 @@ def test_speculative_sampling_is_lossless(name):
     print(f"{name} speculative: X^2={stat:.1f}, df={df}, p={p:.3g}, accepted={sum(accepted)}")
     assert p >= ALPHA, f"{name} speculative: X^2={stat:.1f}, df={df}, p={p:.2e}"
     assert sum(accepted) > N // 4, f"{name}: drafts were (almost) never accepted: the test exercised nothing"
+
+
+@pytest.mark.parametrize("name", ["graft", "graft_specblock"])
+def test_graft_settings_mix_every_stage_and_graft(name):
+    """The Graft loops above test what they claim: every stage occurs and retrieved nodes are grafted."""
+    target = tiny_target(_model())
+    drafter = RecordingDrafter(DRAFTERS[name](target))
+    for seed in range(40):
+        generate_speculative(target, drafter, PROMPT, engine_cfg(seed))
+    stages = {p.stats["stage"] for p in drafter.proposals}
+    assert stages == {float(s) for s in drafter.inner.config.stages}, stages
+    assert any(p.stats["grafted"] > 0 for p in drafter.proposals)
 
 
 def _broken_sample(tree: DraftTree, logits: torch.Tensor, processors, generator: torch.Generator) -> V.VerifyResult:
@@ -281,7 +307,7 @@ def _broken_sample(tree: DraftTree, logits: torch.Tensor, processors, generator:
             probs = probs / probs.sum()
         if not moved:
             bonus = int(torch.multinomial(probs, 1, generator=generator))
-            return V.VerifyResult(accepted=accepted, bonus_token=bonus, tree_depth=tree.max_depth())
+            return V.VerifyResult(accepted=accepted, bonus_token=bonus)
 
 
 def test_negative_control_broken_acceptance_is_rejected(monkeypatch):

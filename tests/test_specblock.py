@@ -13,11 +13,10 @@ import random
 import pytest
 import torch
 
-from adaptation.data import regenerate, regenerated_samples
-from adaptation.trainer import TrainData
-from adaptation.eagle3_loss import TTTBatch
-from adaptation.specblock_loss import block_forward, block_masks, rank_soft_labels, valid_prefix
-from adaptation.specblock_train import SpecBlockTrainConfig, SpecBlockTrainer
+from adaptation.batches import FeatureBatch
+from adaptation.data import TrainData, regenerate, regenerated_samples
+from adaptation.specblock_loss import SpecBlockFamily, block_forward, block_masks, rank_soft_labels, valid_prefix
+from adaptation.trainer import Trainer, TrainConfig
 from speculation.config import ConfigError, EngineConfig, SamplingConfig, SpecBlockConfig
 from speculation.drafters.base import DraftContext
 from speculation.drafters.checkpoint import (
@@ -74,11 +73,11 @@ def test_config_errors_name_the_field(kw, field):
 
 def test_train_config_errors_name_the_field():
     with pytest.raises(ConfigError, match=r"train.shift must be false with num_layers=1"):
-        SpecBlockTrainConfig(num_layers=1)
+        SpecBlockFamily(num_layers=1)
     with pytest.raises(ConfigError, match=r"train.eval_tree.block_size must be <= block_size=2"):
-        SpecBlockTrainConfig(block_size=2)
+        SpecBlockFamily(block_size=2)
     with pytest.raises(ConfigError, match=r"train.position_weight must be in \(0, 1\]"):
-        SpecBlockTrainConfig(position_weight=0.0)
+        SpecBlockFamily(position_weight=0.0)
 
 
 def test_block_size_above_the_checkpoints_is_refused():
@@ -137,14 +136,15 @@ def _sequence(n: int, seed: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def _batch(target, tokens: list[int], topk: int = 8) -> TTTBatch:
+def _batch(target, tokens: list[int], topk: int = 8) -> FeatureBatch:
     _, _, aux = target.prefill(tokens, need_aux=True)
     with torch.no_grad():
         logits = target.model(input_ids=torch.tensor([tokens])).logits[0].float()
     vals, idx = logits.topk(topk, dim=-1)
     n = len(tokens)
-    return TTTBatch(aux=aux.float().clone()[None], input_ids=torch.tensor([tokens]), loss_mask=torch.ones(1, n, dtype=torch.bool),
-                    topk_values=vals[None], topk_indices=idx[None], num_tokens=n)
+    return FeatureBatch(aux=aux.float().clone()[None], input_ids=torch.tensor([tokens]),
+                        loss_mask=torch.ones(1, n, dtype=torch.bool), topk_values=vals[None], topk_indices=idx[None],
+                        num_tokens=n)
 
 
 def _trace_keys(model, cond, emb, pos, ctx, keys, anchor):
@@ -303,6 +303,58 @@ def test_rank_head_decisions_shape_the_tree():
     assert len(tree) - 1 == 2 + 2 + 2 + 2 and tree.max_depth() == K
 
 
+@torch.no_grad()
+def test_the_give_up_class_stops_the_chain_with_the_default_widths():
+    """Default widths (2, 4, 6, 0): a slot the rank head classes "give up" ends the chain there;
+    with the reference's slim_r2 (2, 4, 6, 4) the same class branched 4-wide and never gave up."""
+    assert SpecBlockConfig().slot_widths[RankClass.GIVE_UP] == 0
+    target = _target()
+    ctx = DraftContext(tokens=_sequence(9, seed=4), prompt_len=8)
+    _, _, aux = target.prefill(ctx.tokens[:-1], need_aux=True)
+
+    def tree_for(**kw):
+        d = build_specblock_drafter(_cfg(max_blocks=1, total_tokens=60, **kw), target)
+        _forced(d, [RankClass.CONTINUE, RankClass.GIVE_UP, RankClass.CONTINUE, RankClass.CONTINUE])
+        d.begin(ctx, aux)
+        return d.propose(ctx).tree
+
+    assert tree_for().max_depth() == 1  # slot 1 gives up: only slot 0 (under the root) is drafted
+    assert tree_for(slot_widths=(2, 4, 6, 4)).max_depth() == K
+
+
+@torch.no_grad()
+def test_block_size_below_the_checkpoints_keeps_every_slot_in_the_cross_cache_and_is_exact():
+    """K' = 2 drafted slots of a K = 4 head: every anchor still writes all K slots to the cross
+    cache (the context training exposed), so the cache and block 1 equal the full-K drafter's, a
+    later block equals the full block's first K' slots, and greedy output equals vanilla."""
+    target = _target()
+    embed = target.model.get_input_embeddings().weight
+    full = build_specblock_drafter(_cfg(), target)  # random head, K = 4
+    short = SpecBlockDrafter(_cfg(block_size=2), full.model, embed)
+    ctx = DraftContext(tokens=_sequence(9, seed=4), prompt_len=8)
+    _, _, aux = target.prefill(ctx.tokens[:-1], need_aux=True)
+    for d in (full, short):
+        d.begin(ctx, aux)
+        d.propose(ctx)
+    n = 8  # committed anchors (the prompt's pairs)
+    for layer in range(full.arch.num_layers):
+        assert short.caches[layer].length == full.caches[layer].length == n * K
+        for a, b in zip(short.caches[layer].view(n * K), full.caches[layer].view(n * K)):
+            assert torch.equal(a, b)
+    assert torch.equal(short._block1, full._block1[:2])
+    leaf = PendingLeaf(node=0, token=ctx.tokens[3], score=0.0, cond=full._block1[1], ttt=[(n - 1) * K, (n - 1) * K + 1])
+    assert torch.allclose(short._run_block([leaf], n * K), full._run_block([leaf], n * K)[:, :2], atol=1e-5)
+    wide = SpecBlockDrafter(_cfg(block_size=2, rank_head=False, top_k=8, beam=8), full.model, embed)
+    cfg = EngineConfig(max_new_tokens=40, stop_at_eos=False, sampling=SamplingConfig())
+    accepted = 0
+    for seed in range(3):
+        prompt = _sequence(10, seed=10 + seed)
+        res = generate_speculative(target, wide, prompt, cfg)
+        assert res.tokens == generate_vanilla(target, prompt, cfg).tokens
+        accepted += sum(s.accepted for s in res.steps)
+    assert accepted > 0, "no draft was ever accepted: the exactness check exercised no accepted path"
+
+
 # ---------------------------------------------------------------------------- lossless on the tiny model
 @pytest.mark.parametrize("kw", [{}, {"rank_head": False}, {"shift": False, "max_blocks": 3}, {"block_size": 2}])
 def test_greedy_output_equals_vanilla(kw):
@@ -353,21 +405,23 @@ def _train_setup():
     return target, data
 
 
-def _train_cfg(**kw) -> SpecBlockTrainConfig:
+TRAIN_FAMILY = SpecBlockFamily(eval_tree=SpecBlockConfig(checkpoint="random", total_tokens=16, block_size=4, beam=4))
+
+
+def _train_cfg(**kw) -> TrainConfig:
     base = dict(max_len=64, draft_vocab_size=VOCAB, ttt_steps=2, curriculum_steps=1, curriculum_tokens=600,
                 lr=1e-2, warmup_steps=5, batch_tokens=256, max_tokens=12_000, epochs=40, topk=8, shard_size=12,
                 eval_every_tokens=0, eval_prompts=6, eval_max_new_tokens=24, save_every_steps=10,
-                log_every_steps=5, autocast_bf16=False, eval_at_start=True,
-                eval_tree=SpecBlockConfig(checkpoint="random", total_tokens=16, block_size=4, beam=4))
+                log_every_steps=5, autocast_bf16=False, eval_at_start=True)
     base.update(kw)
-    return SpecBlockTrainConfig(**base)
+    return TrainConfig(**base)
 
 
 def test_training_lowers_loss_raises_acceptance_and_resumes(tmp_path):
     target, data = _train_setup()
-    first = SpecBlockTrainer(_train_cfg(max_tokens=1500), target, data, tmp_path / "run", "tiny", progress=False)
+    first = Trainer(_train_cfg(max_tokens=1500), TRAIN_FAMILY, target, data, tmp_path / "run", "tiny", progress=False)
     first.run()
-    second = SpecBlockTrainer(_train_cfg(), target, data, tmp_path / "run", "tiny", progress=False)
+    second = Trainer(_train_cfg(), TRAIN_FAMILY, target, data, tmp_path / "run", "tiny", progress=False)
     manifest = second.run(export=tmp_path / "export", command="pytest")
     evals = second.state.evals
     assert evals[0]["tokens"] == 0 and manifest["training"]["tokens"] >= 12_000

@@ -1,8 +1,10 @@
 """SpecBlock on real SmolLM2-135M weights: fp32 greedy output equals vanilla token for token.
 
 Eight Spec-Bench questions (one per category, first turn, chat template), with (a) a randomly
-initialised head (32 new tokens: nearly every step rejects, exercising every draft path) and
-(b) the committed trained checkpoint (64 new tokens: accepted paths through inherited blocks).
+initialised head (32 new tokens: nearly every step rejects, exercising every draft path),
+(b) the committed trained checkpoint (64 new tokens: accepted paths through inherited blocks) and
+(c) that checkpoint (K = 4) drafting blocks of K' = 2 slots, its cross cache still holding all 4
+slots per anchor.
 Fixed-width trees (no rank head) are covered on the tiny model (``tests/test_specblock.py``).
 """
 
@@ -31,4 +33,15 @@ def test_trained_checkpoint_is_lossless_and_accepts(smol_fp32, spec_bench_refs):
     drafter = build_specblock_drafter(SpecBlockConfig(checkpoint="auto", total_tokens=24), smol_fp32)
     tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
     print(f"trained specblock tau on 8 Spec-Bench prompts: {tau:.2f}")
+    assert tau > 1.2
+
+
+def test_trained_checkpoint_with_fewer_slots_per_block_is_lossless(smol_fp32, spec_bench_refs):
+    """block_size 2 < the checkpoint's K = 4, three blocks (depth 6)."""
+    drafter = build_specblock_drafter(SpecBlockConfig(checkpoint="auto", total_tokens=24, block_size=2, max_blocks=3),
+                                      smol_fp32)
+    assert drafter.K == 2 and drafter.Kc == 4
+    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
+    assert all(c.length == drafter._encoded * 4 for c in drafter.caches)  # 4 cross-cache slots per anchor
+    print(f"trained specblock, 2 of 4 slots per block: tau {tau:.2f}")
     assert tau > 1.2

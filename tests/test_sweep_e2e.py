@@ -176,8 +176,17 @@ def _submit(head: RayHead, config: Path, root: Path, sid: str) -> None:
         str(config),
         "--root",
         str(root),
+        "--git-commit",
+        _head_commit(),
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _head_commit() -> str:
+    """What the submitter passes in: the job's copy of the checkout has no .git (.rayignore)."""
+    return subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def _client(head: RayHead):
@@ -244,13 +253,15 @@ def test_smoke_sweep_job(head, tmp_path):
     parents = tracking.find_runs(
         uri, exp.experiment_id, {tracking.KIND_TAG: "sweep", tracking.STUDY_TAG: "smoke"}
     )
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(parents) == 1 and parents[0].status == "FINISHED"
     assert exp.artifact_location.startswith(str(tmp_path))  # absolute, not the job's temp dir
-    assert sorted(int(r.data.tags[tracking.TRIAL_TAG]) for r in runs) == sorted(t.number for t in complete)
+    assert sorted(int(r.tags[tracking.TRIAL_TAG]) for r in runs) == sorted(t.number for t in complete)
+    assert parents[0].tags["mlflow.source.git.commit"] == _head_commit()
     for run in runs:
-        assert run.info.status == "FINISHED"
-        assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
-        m = run.data.metrics
+        assert run.status == "FINISHED"
+        assert run.tags["mlflow.parentRunId"] == parents[0].run_id
+        assert run.tags["mlflow.source.git.commit"] == _head_commit()  # passed in by the submitter
+        m = run.metrics
         for key in (
             "speedup",
             "tau",
@@ -262,14 +273,14 @@ def test_smoke_sweep_job(head, tmp_path):
             "baseline_tokens_per_s",
         ):
             assert key in m, key
-        number = int(run.data.tags[tracking.TRIAL_TAG])
+        number = int(run.tags[tracking.TRIAL_TAG])
         assert m["speedup"] == pytest.approx(study.trials[number].values[0])
-        assert run.data.params["method.retrieval.budget"] == str(study.trials[number].params["budget"])
-        arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert run.params["method.retrieval.budget"] == str(study.trials[number].params["budget"])
+        arts = {a.path for a in client.list_artifacts(run.run_id)}
         assert {f"trial-{number:04d}.json", f"trial-{number:04d}-categories.png"} <= arts
         bench = json.loads(
             Path(
-                client.download_artifacts(run.info.run_id, f"trial-{number:04d}.json", str(tmp_path))
+                client.download_artifacts(run.run_id, f"trial-{number:04d}.json", str(tmp_path))
             ).read_text()
         )
         assert bench["methods"]["retrieval"]["lossless"] is True  # greedy fp32: token-identical to vanilla
@@ -351,6 +362,6 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(head, tmp_path)
     assert all(t.system_attrs.get("graftblock.killed") for t in killed)
 
     _, _, runs = _trial_runs(tmp_path, "graftblock-sweep-resume", "resume")
-    finished = [int(r.data.tags[tracking.TRIAL_TAG]) for r in runs if r.info.status == "FINISHED"]
+    finished = [int(r.tags[tracking.TRIAL_TAG]) for r in runs if r.status == "FINISHED"]
     assert sorted(finished) == sorted(complete)  # one finished MLflow run per complete trial, no duplicates
-    assert all(r.info.status in ("FINISHED", "KILLED") for r in runs)
+    assert all(r.status in ("FINISHED", "KILLED") for r in runs)

@@ -32,10 +32,13 @@ def store(tmp_path_factory):
     return root, uri, exp
 
 
+SOURCE = tracking.RunSource(name="test", type=tracking.SourceType.JOB, commit="0123456789abcdef0123456789abcdef01234567")
+
+
 def _trial_run(uri, exp, parent, study, number, cfg, metrics, status="FINISHED"):
     import mlflow
 
-    rid = tracking.start_trial_run(uri, exp, parent, study, number, "retrieval", cfg)
+    rid = tracking.open_trial_run(uri, exp, parent, study, number, "retrieval", cfg, SOURCE)
     client = mlflow.MlflowClient(tracking_uri=uri)
     tracking.log_batch(client, rid, {f"method.retrieval.{k}": v for k, v in cfg.items()}, metrics)
     if status != "RUNNING":
@@ -49,7 +52,7 @@ def test_settle_interrupted_recovers_and_requeues(store):
     root, uri, exp = store
     storage = optuna.storages.RDBStorage(f"sqlite:///{root / 'optuna.db'}")
     study = resume.create_or_load(storage, "killed", ["maximize"])
-    parent = tracking.open_sweep_parent(uri, exp, "killed", {"trials": 4})
+    parent = tracking.open_sweep_parent(uri, exp, "killed", {"trials": 4}, SOURCE)
     t0 = study.ask({"budget": optuna.distributions.IntDistribution(4, 32)})
     _trial_run(uri, exp, parent, "killed", t0.number, {"budget": t0.params["budget"]}, {"speedup": 1.2})
     study.tell(t0, 1.2)
@@ -83,7 +86,7 @@ def test_settle_interrupted_recovers_and_requeues(store):
     again = resume.settle_interrupted(study, storage, uri, exp, ["speedup"])
     assert again.complete == 2 and again.requeued == 1
     # The parent run is reused by a resumed sweep.
-    assert tracking.open_sweep_parent(uri, exp, "killed", {}) == parent
+    assert tracking.open_sweep_parent(uri, exp, "killed", {}, SOURCE) == parent
 
 
 def test_study_direction_mismatch_is_an_error(store):
@@ -105,7 +108,7 @@ def test_compare_table_plot_and_best_config(store, tmp_path):
 
     exp_name = "compare-test"
     exp = tracking.experiment_id(exp_name, uri, artifact_location=str(root / "artifacts"))
-    parent = tracking.open_sweep_parent(uri, exp, "cmp", {})
+    parent = tracking.open_sweep_parent(uri, exp, "cmp", {}, SOURCE)
     base = {"budget": 8, "max_depth": 4, "cost_aware": False, "datastore": None}
     for n, (speedup, tree, share) in enumerate([(1.1, 5.0, 0.05), (1.4, 9.0, 0.08), (1.2, 12.0, 0.2)]):
         cfg = {**base, "budget": 8 * (n + 1)}
@@ -128,7 +131,7 @@ def test_compare_table_plot_and_best_config(store, tmp_path):
     result = {
         "methods": {"vanilla": {"speedup": 1.0}, "retrieval": {"speedup": 1.3, "tau": 1.8, "config": base}}
     }
-    tracking.log_bench(exp_name, uri, "bench", {"model": "m"}, result)
+    tracking.log_bench(uri, exp, "bench", {"model": "m"}, result, SOURCE)
 
     report = compare.compare(exp_name, uri, tmp_path / "cmp")
     assert len(report.rows) == 5

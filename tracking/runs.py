@@ -1,72 +1,48 @@
-"""MLflow logging for every run (bench, train, sweep trial, serve), outside ``speculation/``.
+"""Runs: create one with its source tags, log params/metrics/artifacts in batches, settle it.
 
-Default store: ``sqlite:///<cwd>/mlflow.db``; ``--tracking-uri`` / ``MLFLOW_TRACKING_URI`` point
-elsewhere (e.g. an ``mlflow server``). Experiments are addressed by *id* (created on first use),
-never through ``MLFLOW_EXPERIMENT_ID``. Params are the flattened resolved config; metrics follow
-the bench JSON names as ``<method>.<metric>`` and ``<method>.<category>.<metric>``.
+Params are the flattened resolved config; bench metrics follow the bench JSON names as
+``<method>.<metric>`` and ``<method>.<category>.<metric>`` (:func:`bench_metrics`).
 """
 
 from __future__ import annotations
 
-import os
-import urllib.error
-import urllib.request
+import enum
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from tracking.source import RunSource
+from tracking.store import TrackingError
 
 METRIC_KEYS = (
     "speedup", "tau", "tokens_per_s", "drafting_share", "mean_tree_size",
     "drafter_forwards_per_step", "drafting_s_per_step", "verify_s_per_step", "match_rate",
 )
+KIND_TAG = "graftblock.kind"
+#: MLflow truncates nothing itself; params longer than this are cut (MLflow's limit is 6000).
+PARAM_CHARS = 500
 
 
-class TrackingError(RuntimeError):
-    """The tracking store cannot be used (unreachable server, bad URI)."""
+class RunStatus(str, enum.Enum):
+    """MLflow run states graftblock sets."""
+
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+    """The run raised (or its process died, seen from the driver)."""
+    KILLED = "KILLED"
+    """The run was stopped from outside (the sweep was stopped, not a failure of the point)."""
 
 
-def resolve_uri(uri: str | None) -> str:
-    """Explicit URI, else ``MLFLOW_TRACKING_URI``, else an absolute sqlite file in the cwd."""
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
-
-
-def check_reachable(uri: str, timeout: float = 5.0) -> None:
-    """Fail fast, with a clear message, if an HTTP tracking server does not answer."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise TrackingError(f"MLflow tracking URI {uri} is unreachable ({exc}); start `mlflow server` "
-                            "or pass --no-mlflow") from exc
-
-
-def experiment_id(name: str, uri: str, artifact_location: str | None = None) -> str:
-    """Id of experiment ``name`` in the store at ``uri``, created if missing.
-
-    ``artifact_location`` (absolute) applies only when the experiment is created; without it
-    MLflow's default for a local store is ``./mlruns`` under the *current* directory, which for a
-    Ray job is a temporary copy of the working directory.
-    """
+def _client(uri: str):
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except Exception:  # created concurrently by another process: read it back
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
+    return mlflow.MlflowClient(tracking_uri=uri)
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
@@ -102,12 +78,10 @@ def bench_metrics(result: Mapping[str, Any]) -> dict[str, float]:
 
 def log_batch(client, run_id: str, params: Mapping[str, Any], metrics: Mapping[str, float], step: int = 0) -> None:
     """Params and metrics in batches (one sqlite transaction per 100 items, not per item)."""
-    import time
-
     from mlflow.entities import Metric, Param
 
     now = int(time.time() * 1000)
-    plist = [Param(k, str(v)[:500]) for k, v in params.items()]
+    plist = [Param(k, str(v)[:PARAM_CHARS]) for k, v in params.items()]
     mlist = [Metric(k, float(v), now, step) for k, v in metrics.items()]
     for i in range(0, len(plist), 100):
         client.log_batch(run_id, params=plist[i : i + 100])
@@ -115,97 +89,68 @@ def log_batch(client, run_id: str, params: Mapping[str, Any], metrics: Mapping[s
         client.log_batch(run_id, metrics=mlist[i : i + 500])
 
 
-def log_bench(
-    experiment: str,
-    tracking_uri: str | None,
-    kind: str,
-    params: Mapping[str, Any],
-    result: Mapping[str, Any] | None,
-    artifacts: Iterable[Path] = (),
-    run_name: str | None = None,
-) -> str:
-    """Log one run; returns its run id."""
-    import mlflow
-
-    uri = resolve_uri(tracking_uri)
-    check_reachable(uri)
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    exp_id = experiment_id(experiment, uri)
-    run = client.create_run(exp_id, run_name=run_name, tags={"graftblock.kind": kind})
-    rid = run.info.run_id
-    try:
-        flat = {k: str(v)[:500] for k, v in flatten(params).items()}
-        if result is not None:
-            for name, m in result.get("methods", {}).items():
-                flat.update({f"method.{name}.{k}": str(v)[:500] for k, v in flatten(m.get("config", {})).items()})
-        metrics = bench_metrics(result) if result is not None else {}
-    except Exception:
-        client.set_terminated(rid, "FAILED")
-        raise
-    finish_run(client, rid, flat, metrics, artifacts)
-    return rid
+def create_run(uri: str, exp_id: str, run_name: str | None, tags: Mapping[str, str], source: RunSource) -> str:
+    """A new RUNNING run carrying ``tags`` and the source tags (commit, entry point, user); its id."""
+    run = _client(uri).create_run(exp_id, run_name=run_name, tags={**source.tags(), **tags})
+    return run.info.run_id
 
 
-def finish_run(client, run_id: str, params: Mapping[str, Any], metrics: Mapping[str, float],
-               artifacts: Iterable[Path] = ()) -> None:
-    """Log params, metrics and artifacts (see :func:`log_batch`), then mark the
-    run FINISHED; a logging failure marks it FAILED and re-raises."""
+def set_status(uri: str, run_id: str, status: RunStatus) -> None:
+    """Mark a run RUNNING again (a resumed run) or terminated with ``status``."""
+    client = _client(uri)
+    if status == RunStatus.RUNNING:
+        client.update_run(run_id, status=status.value)
+    else:
+        client.set_terminated(run_id, status.value)
+
+
+def log_values(uri: str, run_id: str, params: Mapping[str, Any], metrics: Mapping[str, float],
+               step: int = 0) -> None:
+    """Params and metrics of a run that stays open (see :func:`log_batch`)."""
+    log_batch(_client(uri), run_id, params, metrics, step)
+
+
+def finish_run(uri: str, run_id: str, params: Mapping[str, Any], metrics: Mapping[str, float],
+               artifacts: Iterable[Path] = (), status: RunStatus = RunStatus.FINISHED) -> None:
+    """Log params, metrics and artifacts (see :func:`log_batch`), then mark the run ``status``;
+    a logging failure marks it FAILED and re-raises."""
+    client = _client(uri)
     try:
         log_batch(client, run_id, params, metrics)
         for a in artifacts:
             client.log_artifact(run_id, str(a))
-        client.set_terminated(run_id, "FINISHED")
+        client.set_terminated(run_id, status.value)
     except Exception:
-        client.set_terminated(run_id, "FAILED")
+        client.set_terminated(run_id, RunStatus.FAILED.value)
         raise
 
 
-# --------------------------------------------------------------------------- sweeps
-#: Tags that tie sweep runs together (MLflow's own nesting tag, plus ours).
-PARENT_TAG = "mlflow.parentRunId"
-KIND_TAG = "graftblock.kind"
-STUDY_TAG = "graftblock.study"
-TRIAL_TAG = "graftblock.trial_number"
-METHOD_TAG = "graftblock.method"
-CONFIG_TAG = "graftblock.method_config"
+def log_bench(
+    uri: str,
+    exp_id: str,
+    kind: str,
+    params: Mapping[str, Any],
+    result: Mapping[str, Any] | None,
+    source: RunSource,
+    artifacts: Iterable[Path] = (),
+    run_name: str | None = None,
+) -> str:
+    """Log one finished bench (or verify-curve) run into experiment ``exp_id``; returns its run id.
 
+    ``uri`` and ``exp_id`` come from :func:`tracking.store.prepare`, called before the bench ran.
+    """
+    flat = {k: str(v)[:PARAM_CHARS] for k, v in flatten(params).items()}
+    if result is not None:
+        for name, m in result.get("methods", {}).items():
+            flat.update({f"method.{name}.{k}": str(v)[:PARAM_CHARS] for k, v in flatten(m.get("config", {})).items()})
+    metrics = bench_metrics(result) if result is not None else {}
+    from mlflow.exceptions import MlflowException
 
-def find_runs(uri: str, exp_id: str, tags: Mapping[str, str], max_results: int = 5000) -> list:
-    """Runs of ``exp_id`` carrying every tag in ``tags`` (any status), newest first."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    flt = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
-    return client.search_runs(
-        [exp_id], filter_string=flt, max_results=max_results, order_by=["attributes.start_time DESC"]
-    )
-
-
-def open_sweep_parent(uri: str, exp_id: str, study: str, params: Mapping[str, Any]) -> str:
-    """The sweep's parent run: the existing one for ``study`` (a resumed sweep), else a new one."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    existing = find_runs(uri, exp_id, {KIND_TAG: "sweep", STUDY_TAG: study})
-    if existing:
-        rid = existing[0].info.run_id
-        client.update_run(rid, status="RUNNING")
-        return rid
-    run = client.create_run(exp_id, run_name=f"sweep-{study}", tags={KIND_TAG: "sweep", STUDY_TAG: study})
-    log_batch(client, run.info.run_id, {k: str(v)[:500] for k, v in flatten(params).items()}, {})
-    return run.info.run_id
-
-
-def start_trial_run(uri: str, exp_id: str, parent_id: str, study: str, number: int, method: str,
-                    method_config: Mapping[str, Any]) -> str:
-    """A child run for Optuna trial ``number``, nested under ``parent_id`` (status RUNNING)."""
-    import json
-
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    tags = {
-        PARENT_TAG: parent_id, KIND_TAG: "sweep_trial", STUDY_TAG: study, TRIAL_TAG: str(number),
-        METHOD_TAG: method, CONFIG_TAG: json.dumps(dict(method_config), sort_keys=True, default=str),
-    }
-    return client.create_run(exp_id, run_name=f"{study}-trial-{number}", tags=tags).info.run_id
+    try:
+        rid = create_run(uri, exp_id, run_name, {KIND_TAG: kind}, source)
+        finish_run(uri, rid, flat, metrics, artifacts)
+    except (MlflowException, OSError) as exc:  # the store went away during the run
+        text = " ".join(str(exc).split())
+        raise TrackingError(f"MLflow store {uri}: could not log the {kind} run ({text[:300]}); "
+                            "the result JSON was written") from exc
+    return rid

@@ -8,12 +8,12 @@ Weight swaps. ``swap_weights(slot, state)`` replaces the drafter's weights with 
 (pass an object ref: Ray resolves it before the call runs). An actor runs one method at a time
 and the decode loop calls ``propose``/``observe`` between verify steps, so a swap always lands
 *between* decode steps, never inside one: atomic from the loop's point of view. A drafter
-supports it when it has ``load_state_dict``; the retrieval drafter has no weights (its state is
-the suffix index and transition table, rebuilt per request and updated by ``observe``), so a
-swap on it raises :class:`WeightsNotSupportedError`.
+supports it when it implements :class:`~speculation.drafters.base.WeightSwappable`; the retrieval
+drafter has no weights (its state is the suffix index and transition table, rebuilt per request
+and updated by ``observe``), so a swap on it raises :class:`WeightsNotSupportedError`.
 
-Cost-aware drafters get their verify-cost model from the coordinator (measured over the
-distributed target, which is what they will really pay), not from a local target.
+Drafters that need a verify-cost curve get it from the coordinator (measured over the
+distributed target, which is what they will really pay), passed to their builder.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from speculation.cost import VerifyCostModel
 from speculation.drafters import MethodSpec, build_drafter
-from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
+from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome, WeightSwappable
 
 
 class WeightsNotSupportedError(TypeError):
@@ -59,21 +59,6 @@ def pack_drafter(drafter: Drafter) -> bytes:
     return cloudpickle.dumps(drafter)
 
 
-def build_without_cost_model(spec: MethodSpec, target: Any, cost_model: VerifyCostModel | None) -> Drafter:
-    """``build_drafter`` without measuring c(T) on ``target``; ``cost_model`` is set instead.
-
-    The distributed path measures c(T) over the actors (what the drafter will really pay), so
-    the in-process measurement ``build_drafter`` does for cost-aware configs is skipped.
-    """
-    cost_aware = bool(getattr(spec.config, "cost_aware", False))
-    drafter = build_drafter(spec, target, measure_cost=False)
-    if drafter is None:
-        raise ValueError(f"method {spec.name!r} is vanilla: there is no drafter to host")
-    if cost_aware and cost_model is not None:
-        drafter.cost_model = cost_model
-    return drafter
-
-
 class _Slot:
     __slots__ = ("drafter", "ctx")
 
@@ -100,10 +85,20 @@ class DrafterWorker:
         self.weights_version: dict[str, int] = {}
 
     def _build(self, spec: MethodSpec, cost_model: VerifyCostModel | None) -> Drafter:
-        return build_without_cost_model(spec, _VocabOnly(self.vocab_size), cost_model)
+        size = spec.config.verify_curve_size() if spec.config is not None else 0
+        if size and cost_model is None:
+            raise ValueError(
+                f"method {spec.name!r} needs the verify curve c(T) up to T={size}: the worker cannot "
+                "measure it (it holds no target); pass the cost model measured over the shards"
+            )
+        drafter = build_drafter(spec, _VocabOnly(self.vocab_size), cost_model)
+        if drafter is None:
+            raise ValueError(f"method {spec.name!r} is vanilla: there is no drafter to host")
+        return drafter
 
     def load(self, slot: str, spec: MethodSpec, cost_model: VerifyCostModel | None = None) -> DrafterTraits:
-        """Put a fresh drafter for ``spec`` in ``slot`` (replacing what was there)."""
+        """Put a fresh drafter for ``spec`` in ``slot`` (replacing what was there); ``cost_model``
+        is required when the method needs a verify curve (the coordinator measures it)."""
         self.slots[slot] = _Slot(self._build(spec, cost_model))
         self.weights_version[slot] = 0
         return self.traits(slot)
@@ -142,7 +137,7 @@ class DrafterWorker:
             name=d.name,
             needs_aux=bool(d.needs_aux),
             target_topk=int(d.target_topk),
-            has_weights=callable(getattr(d, "load_state_dict", None)),
+            has_weights=isinstance(d, WeightSwappable),
         )
 
     # ------------------------------------------------------------------ protocol
@@ -161,20 +156,16 @@ class DrafterWorker:
         s.ctx.tokens.extend(new_tokens)
         s.drafter.observe(s.ctx, outcome)
 
-    def context_length(self, slot: str) -> int:
-        return len(self._slot(slot).ctx.tokens)
-
     # ------------------------------------------------------------------ weights
     def swap_weights(self, slot: str, state: Mapping[str, Any]) -> int:
         """Load ``state`` into the slot's drafter between decode steps; returns the new weights version."""
         drafter = self._slot(slot).drafter
-        load = getattr(drafter, "load_state_dict", None)
-        if not callable(load):
+        if not isinstance(drafter, WeightSwappable):
             raise WeightsNotSupportedError(
                 f"drafter {drafter.name!r} has no weights to swap (the retrieval drafter's state is its "
                 "suffix index and transition table, updated by observe)"
             )
-        load(dict(state))
+        drafter.load_state_dict(dict(state))
         self.weights_version[slot] += 1
         return self.weights_version[slot]
 

@@ -7,7 +7,8 @@ A sharded forward is the HF model's own forward cut into pieces, built from its 
 
 * prefill / decode: no mask (HF's causal mask), positions ``n + arange(T)``;
 * tree verify with T > 1: the 4D boolean mask ``[1, 1, T, n + T]`` = ones over the committed
-  prefix, the ancestor-or-self mask over the tree block; positions ``n + depth``;
+  prefix, the ancestor-or-self mask over the tree block; positions ``n + depth`` (both from
+  :func:`~speculation.target.tree_attention_inputs`, the function the in-process target uses);
 * the causal mask is made by ``transformers.masking_utils.create_causal_mask`` sized on the
   shard's first layer (a shard's full-size ``DynamicCache`` holds only its own layers).
 
@@ -16,8 +17,10 @@ shard returns logits (``[V]`` for prefill/decode, ``[T, V]`` for a tree). Aux hi
 (HF ``hidden_states`` index i = the input of layer i; index L = the final-norm output) are
 returned by whichever shard owns them.
 
-The class is plain Python (usable, and tested, in one process); :data:`TargetShardActor` is the
-Ray actor. Each shard loads the weights itself and keeps only its modules.
+The class is plain Python (usable, and tested, in one process); :func:`make_actor_class` gives the
+Ray actor. Each shard loads the weights itself (through :func:`speculation.assets.load_model`, the
+one model loader) and keeps only its modules. EOS ids follow
+:func:`speculation.target.eos_token_ids`, the in-process target's rule.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import functools
 import gc
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from speculation.target import compact_kv
+from speculation import assets
+from speculation.config import DType
+from speculation.target import causal_positions, compact_kv, eos_token_ids, tree_attention_inputs
 from workers.wire import WireTensor, to_wire
 
 
@@ -116,21 +120,6 @@ class UnknownSequenceError(KeyError):
     """A sequence id this shard does not hold (never prefilled, released or evicted)."""
 
 
-def load_causal_lm(name: str, dtype: torch.dtype):
-    """Load the model only (no tokenizer): alias or local dir directly, else the hub path."""
-    from transformers import AutoModelForCausalLM
-
-    from speculation import assets
-
-    path = Path(name).expanduser()
-    if name in assets.MODEL_ALIASES or path.is_dir():
-        source = assets.resolve_model_dir(name)
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation="sdpa")
-    else:
-        model, _ = assets.load_model_and_tokenizer(name, dtype)
-    return model.eval()
-
-
 class UnsupportedModelError(ValueError):
     """The model cannot be sharded (e.g. sliding-window layers); run it in one process."""
 
@@ -154,16 +143,21 @@ class _Sequence:
 
 
 class TargetShard:
-    """Layers ``[start, end)`` of a causal LM and their KV cache, per sequence id."""
+    """Layers ``[start, end)`` of a causal LM and their KV cache, per sequence id.
 
-    def __init__(self, spec: ShardSpec, model=None) -> None:
-        from speculation.config import DType
+    Args:
+        spec: what to load and hold.
+        model, tokenizer: an already loaded model and its tokenizer (in-process use); by default
+            both are loaded from ``spec.model`` (the model with only this shard's layers).
+    """
 
+    def __init__(self, spec: ShardSpec, model=None, tokenizer=None) -> None:
         if spec.torch_threads is not None:
             torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         if model is None:
-            model = load_causal_lm(spec.model, DType.parse(spec.dtype).torch)
+            layers = range(spec.start, spec.end)
+            model, tokenizer = assets.load_model_and_tokenizer(spec.model, DType.parse(spec.dtype).torch, layers)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         _check_supported(cfg)
         self.config = model.config
@@ -172,18 +166,13 @@ class TargetShard:
             raise ValueError(
                 f"shard {spec.index}: layer range [{spec.start}, {spec.end}) not in [0, {self.num_layers}]"
             )
-        gen = getattr(model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None)
-        eos_ids = frozenset(
-            int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None
-        )
         self.info = TargetInfo(
             num_layers=self.num_layers,
             hidden_size=cfg.hidden_size,
             vocab_size=model.get_output_embeddings().weight.shape[0],
             max_context=int(getattr(cfg, "max_position_embeddings", 1 << 30)),
             sliding_window=getattr(cfg, "sliding_window", None),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(model, tokenizer),
         )
         self.device = self._pick_device() if spec.device == "auto" else torch.device(spec.device)
         inner = model.model
@@ -277,12 +266,14 @@ class TargetShard:
             hidden = hidden_in.to_torch(self.device)
         mask = None
         if step.kind == StepKind.TREE and T > 1:
-            mask = torch.ones(1, 1, T, n + T, dtype=torch.bool, device=self.device)  # [1, 1, T, n+T]
-            mask[0, 0, :, n:] = torch.tensor(np.asarray(step.ancestor_mask, dtype=bool))
-            positions = torch.tensor(np.asarray(step.depths, dtype=np.int64)).view(1, T) + n  # [1, T]
+            mask, positions = tree_attention_inputs(  # [1, 1, T, n+T], [1, T]
+                torch.from_numpy(np.asarray(step.ancestor_mask, dtype=bool)),
+                torch.from_numpy(np.asarray(step.depths, dtype=np.int64)),
+                n,
+                self.device,
+            )
         else:
-            positions = torch.arange(n, n + T, dtype=torch.long).view(1, T)  # [1, T]
-        positions = positions.to(self.device)
+            positions = causal_positions(n, T, self.device)  # [1, T]
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=hidden,

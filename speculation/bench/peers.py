@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from speculation.bench import vllm_peers
 from speculation.config import ConfigError, SamplingConfig
 from speculation.engine import GenerationResult
 from speculation.target import TargetModel
@@ -22,6 +23,10 @@ from speculation.target import TargetModel
 class Peer(str, enum.Enum):
     HF_GENERATE = "hf_generate"
     HF_PROMPT_LOOKUP = "hf_prompt_lookup"
+    VLLM = "vllm"  # the vLLM peers run in .venv-vllm: speculation/bench/vllm_peers.py
+    VLLM_NGRAM = "vllm_ngram"
+    VLLM_EAGLE3 = "vllm_eagle3"
+    VLLM_RETRIEVAL = "vllm_retrieval"
 
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -44,7 +49,9 @@ def parse_peers(value: str | None) -> list[Peer]:
 def run_peer(
     peer: Peer, target: TargetModel, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig
 ) -> GenerationResult:
-    """Generate with a Hugging Face loop; timing covers the whole ``generate`` call."""
+    """Generate with a Hugging Face loop or a vLLM peer; timing covers the whole ``generate`` call."""
+    if peer.value in vllm_peers.PEER_METHODS:
+        return vllm_peers.generate(peer.value, target, prompt_ids, max_new_tokens, sampling)
     model = target.model
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
     kwargs = dict(
@@ -64,3 +71,13 @@ def run_peer(
     out = model.generate(input_ids, **kwargs)
     wall = time.perf_counter() - t0
     return GenerationResult(tokens=out[0, len(prompt_ids):].tolist(), wall_s=wall, prefill_s=0.0)
+
+
+def peer_stats(peer: Peer) -> dict:
+    """Per-peer figures beyond tokens/s: vLLM's mean acceptance length (none for HF's loops)."""
+    return vllm_peers.peer_stats(peer.value) if peer.value in vllm_peers.PEER_METHODS else {}
+
+
+def reset_peer_stats() -> None:
+    """Forget the warm-up's counters."""
+    vllm_peers.reset_stats()

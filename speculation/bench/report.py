@@ -1,9 +1,45 @@
-"""Readable tables of a bench result (rich), overall and per category."""
+"""Readable tables of a bench result (rich), overall and per category.
+
+Both fit an 80-column terminal with every header word whole: headers break over two lines,
+columns are separated by one space (no vertical rules), long method names fold, and the
+per-category table has one row per category (Spec-Bench has 13) and one column per method,
+each cell ``speedup`` over ``(tau)``.
+"""
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
+
+#: (header, justify) of the overall table; a header's words never break, its lines are ``\n``.
+OVERALL_COLUMNS = (
+    ("method", "left"),
+    ("tok/s", "right"),
+    ("speedup", "right"),
+    ("tau", "right"),
+    ("tree", "right"),
+    ("draft\nshare", "right"),
+    ("draft\nms/step", "right"),
+    ("verify\nms/step", "right"),
+    ("fwd/\nstep", "right"),
+    ("lossless", "right"),
+)
+
+
+#: Method names up to this many characters never fold in the overall table at 80 columns.
+METHOD_WIDTH = 16
+
+
+def _table(title: str) -> Table:
+    return Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
+
+
+def _add_column(t: Table, header: str, justify: str, max_word: int = 80) -> None:
+    """A column at least as wide as the longest word of its header (up to ``max_word``); cells and
+    longer words fold rather than clip."""
+    width = min(max_word, max(len(w) for w in header.split()))
+    t.add_column(header, justify=justify, min_width=width, overflow="fold")
 
 
 def _fmt(v, digits: int = 2) -> str:
@@ -23,11 +59,12 @@ def render(result: dict, console: Console | None = None, per_category: bool = Tr
         f"{result['model']} {result['dtype']} | {result['dataset']} | {result['n_prompts']} prompts, "
         f"{result['n_turns']} turns | {result['max_new_tokens']} new tokens | T={result['temperature']}"
     )
-    t = Table(title=title)
-    for col in ("method", "tok/s", "speedup", "tau", "tree", "draft share", "draft ms/step",
-                "verify ms/step", "fwd/step", "lossless"):
-        t.add_column(col, justify="right" if col != "method" else "left")
+    t = _table(title)
     rows = list(result["methods"].items()) + [(f"peer:{k}", v) for k, v in result["peers"].items()]
+    for header, justify in OVERALL_COLUMNS:
+        _add_column(t, header, justify)
+    # Names up to this long stay on one line at 80 columns; longer ones fold.
+    t.columns[0].min_width = min(METHOD_WIDTH, max(len(name) for name, _ in rows))
     for name, m in rows:
         t.add_row(
             name,
@@ -45,14 +82,14 @@ def render(result: dict, console: Console | None = None, per_category: bool = Tr
     if not per_category:
         return
     cats = result["categories"]
-    c = Table(title="speedup (tau) per category")
-    c.add_column("method")
+    c = _table("speedup (tau) per category")
+    _add_column(c, "category", "left")
+    for name, _ in rows:
+        _add_column(c, name, "right", max_word=9)
     for cat in cats:
-        c.add_column(cat, justify="right")
-    for name, m in rows:
         cells = []
-        for cat in cats:
+        for _, m in rows:
             pc = m["per_category"].get(cat)
-            cells.append("-" if pc is None else f"{pc['speedup']:.2f}x ({_fmt(pc.get('tau'))})")
-        c.add_row(name, *cells)
+            cells.append("-" if pc is None else f"{pc['speedup']:.2f}x\n({_fmt(pc.get('tau'))})")
+        c.add_row(cat, *cells)
     console.print(c)

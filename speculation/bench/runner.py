@@ -14,21 +14,23 @@ import platform
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from speculation import assets
 from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedup
-from speculation.bench.peers import Peer, parse_peers, run_peer
+from speculation.bench.peers import Peer, parse_peers, peer_stats, reset_peer_stats, run_peer
 from speculation.config import BenchConfig, EngineConfig, to_dict
-from speculation.drafters import Drafter, DrafterType, MethodSpec, build_drafter, resolve_methods
+from speculation.drafters import Drafter, DrafterType, MethodSpec, Reportable, build_drafter, resolve_methods
 from speculation.engine import GenerationResult, TargetBackend, generate_speculative, generate_vanilla
 from speculation.target import TargetModel
 
 BASELINE = "vanilla"
 
-MethodParts = Callable[[MethodSpec], tuple[TargetBackend, Drafter]]
-"""Supplies a method's target backend and a fresh drafter (see :func:`run_bench`)."""
+MethodParts = Callable[[MethodSpec], tuple[TargetBackend[Any], Drafter]]
+"""Supplies a method's target backend and a fresh drafter (see :func:`run_bench`); e.g.
+``cluster.deploy.RayDeployment.method_parts``."""
 
 
 def environment() -> dict:
@@ -75,7 +77,7 @@ class _Runner:
         self.spec = spec
         self.peer = peer
         self.method_parts = method_parts
-        self.backend: TargetBackend = target
+        self.backend: TargetBackend[Any] = target
         self.drafter = self.build()
 
     def build(self) -> Drafter | None:
@@ -134,6 +136,7 @@ def run_bench(
         for r in runners:
             if r.spec is not None:
                 r.drafter = r.build()
+        reset_peer_stats()
 
     for qi, q in enumerate(questions):
         turns = q.turns[: cfg.max_turns] if cfg.max_turns else q.turns
@@ -181,13 +184,13 @@ def run_bench(
             summary["config"] = {"peer": r.peer.value}
             for key in ("tau", "mean_tree_size", "drafting_share", "drafter_forwards_per_step", "drafting_s_per_step"):
                 summary[key] = None  # HF's loops do not expose their steps
+            summary.update(peer_stats(r.peer))  # vLLM peers: vllm_acceptance_length
             out["peers"][r.name] = summary
             continue
         summary["lossless"] = True if r.name == BASELINE else _lossless(summary, cfg)
         summary["config"] = {"type": r.spec.type.value, **r.spec.config_dict()}
-        report = getattr(r.drafter, "report", None)
-        if callable(report):  # e.g. Graft: the chosen dense budget and why
-            summary["drafter_report"] = report()
+        if isinstance(r.drafter, Reportable):  # e.g. Graft: the chosen dense budget and why
+            summary["drafter_report"] = r.drafter.report()
         out["methods"][r.name] = summary
     return out
 

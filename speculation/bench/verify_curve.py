@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 
-from speculation.target import TargetModel
+from speculation.engine import TargetBackend
 from speculation.tree import DraftTree, NodeSource
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -31,7 +32,7 @@ def random_tree(size: int, vocab: int, gen: torch.Generator, max_children: int =
 
 
 def measure(
-    target: TargetModel,
+    target: TargetBackend[Any],
     sizes: tuple[int, ...] = DEFAULT_SIZES,
     context: int = 256,
     repeats: int = 7,
@@ -43,16 +44,19 @@ def measure(
     prompt = torch.randint(target.vocab_size, (context,), generator=gen).tolist()
     state, _, _ = target.prefill(prompt)
     out = {}
-    for size in sizes:
-        tree = random_tree(size, target.vocab_size, gen)
-        times = []
-        for i in range(warmup + repeats):
-            t0 = time.perf_counter()
-            target.verify(state, tree)
-            target.commit(state, tree, [0])
-            dt = time.perf_counter() - t0
-            target.truncate(state, context)  # same context length for every repeat
-            if i >= warmup:
-                times.append(dt)
-        out[size] = statistics.median(times)
+    try:
+        for size in sizes:
+            tree = random_tree(size, target.vocab_size, gen)
+            times = []
+            for i in range(warmup + repeats):
+                t0 = time.perf_counter()
+                target.verify(state, tree)
+                target.commit(state, tree, [0])
+                dt = time.perf_counter() - t0
+                target.truncate(state, context)  # same context length for every repeat
+                if i >= warmup:
+                    times.append(dt)
+            out[size] = statistics.median(times)
+    finally:
+        target.release(state)
     return out

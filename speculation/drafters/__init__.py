@@ -24,7 +24,8 @@ from speculation.config import (
     from_dict,
     to_dict,
 )
-from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
+from speculation.cost import VerifyCostModel, measure_cost_model
+from speculation.drafters.base import DraftContext, Drafter, Proposal, Reportable, StepOutcome, WeightSwappable
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.graft import build_graft_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
@@ -36,7 +37,9 @@ __all__ = [
     "DrafterType",
     "MethodSpec",
     "Proposal",
+    "Reportable",
     "StepOutcome",
+    "WeightSwappable",
     "build_drafter",
     "resolve_methods",
 ]
@@ -60,8 +63,22 @@ _CONFIGS: dict[DrafterType, type | None] = {
     DrafterType.GRAFT: GraftConfig,
 }
 
-_BUILDERS: dict[DrafterType, Callable[[Any, Any], Drafter]] = {
-    DrafterType.RETRIEVAL: lambda cfg, target: RetrievalDrafter(cfg, target.vocab_size),
+BUILTIN_VARIANTS: dict[str, Mapping[str, Any]] = {
+    "graft_specblock": {"type": "graft", "tree_drafter": {"type": "specblock"}},  # Graft over SpecBlock
+}
+"""Method names usable without ``--config``: a type plus options (a config section overrides them)."""
+
+DrafterBuilder = Callable[[Any, Any, VerifyCostModel | None], Drafter]
+"""``build(config, target, cost_model) -> drafter``: every drafter type's builder."""
+
+
+def build_retrieval_drafter(config: RetrievalConfig, target: Any, cost_model: VerifyCostModel | None) -> RetrievalDrafter:
+    """A :class:`RetrievalDrafter` for ``target`` (reads only ``target.vocab_size``)."""
+    return RetrievalDrafter(config, target.vocab_size, cost_model)
+
+
+_BUILDERS: dict[DrafterType, DrafterBuilder] = {
+    DrafterType.RETRIEVAL: build_retrieval_drafter,
     DrafterType.EAGLE3: build_eagle3_drafter,
     DrafterType.SPECBLOCK: build_specblock_drafter,
     DrafterType.GRAFT: build_graft_drafter,
@@ -93,7 +110,7 @@ def resolve_methods(names: list[str], configs: Mapping[str, Mapping[str, Any]] |
     configs = dict(configs or {})
     specs = []
     for name in names:
-        section = dict(configs.get(name) or {})
+        section = {**BUILTIN_VARIANTS.get(name, {}), **(configs.get(name) or {})}
         dtype = _parse_type(name, section.pop("type", name))
         cfg_cls = _CONFIGS[dtype]
         if cfg_cls is None:
@@ -106,18 +123,17 @@ def resolve_methods(names: list[str], configs: Mapping[str, Mapping[str, Any]] |
     return specs
 
 
-def build_drafter(spec: MethodSpec, target: Any, measure_cost: bool = True) -> Drafter | None:
+def build_drafter(spec: MethodSpec, target: Any, cost_model: VerifyCostModel | None = None) -> Drafter | None:
     """A fresh drafter for ``spec`` (None for vanilla).
 
-    A cost-aware drafter (its config's ``cost_aware`` is true) gets the target's measured verify
-    curve (measured once per target) unless ``measure_cost`` is False: the distributed path
-    measures c(T) over the actors instead and sets ``cost_model`` itself.
+    A drafter whose config needs a measured verify curve (``config.verify_curve_size() > 0``)
+    gets ``cost_model``; when the caller passes none, c(T) is measured on ``target`` up to that
+    size (once per target and size, see :func:`~speculation.cost.measure_cost_model`). The
+    distributed path measures over its actors and passes the model in.
     """
     if spec.type == DrafterType.VANILLA:
         return None
-    drafter = _BUILDERS[spec.type](spec.config, target)
-    if measure_cost and getattr(spec.config, "cost_aware", False) and hasattr(drafter, "cost_model"):
-        from speculation.cost import measure_cost_model
-
-        drafter.cost_model = measure_cost_model(target, max_size=spec.config.budget + 1)
-    return drafter
+    size = spec.config.verify_curve_size()
+    if size and cost_model is None:
+        cost_model = measure_cost_model(target, max_size=size)
+    return _BUILDERS[spec.type](spec.config, target, cost_model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -99,6 +99,28 @@ class Drafter(Protocol):
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
         """Learn from a verification result; ``ctx.tokens`` already includes the accepted tokens."""
+        ...
+
+
+@runtime_checkable
+class Reportable(Protocol):
+    """A drafter that explains its own decisions (e.g. Graft's chosen dense budget and why)."""
+
+    def report(self) -> dict[str, Any]:
+        """What the drafter decided, JSON-ready: the bench stores it as ``drafter_report``."""
+        ...
+
+
+@runtime_checkable
+class WeightSwappable(Protocol):
+    """A drafter whose network weights can be replaced between decode steps (online adaptation)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The current network weights, by parameter name."""
+        ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the weights atomically: a ``propose`` sees either the old or the new network."""
         ...
 
 

@@ -51,7 +51,6 @@ SPECBLOCK = CheckpointKind("graftblock-specblock/1", "SpecBlock", "specblock", S
 CHECKPOINT_ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 """Where ``checkpoint: auto`` looks for a checkpoint matching the target (``<repo>/checkpoints``)."""
 AUTO = "auto"
-FORMAT = EAGLE3.format
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from speculation.config import Eagle3Config
+from speculation.cost import VerifyCostModel
 from speculation.drafters.base import DraftContext, Proposal, StopRule
 from speculation.drafters.checkpoint import CHECKPOINT_ROOT, EAGLE3, load_for_target
 from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
@@ -33,6 +34,7 @@ from speculation.drafters.candidate_pool import CandidatePool
 from speculation.drafters.draft_kv import DraftKVCache
 from speculation.drafters.feature_pairs import FeaturePairsDrafter
 from speculation.drafters.head import untrained_head
+from speculation.target import TargetModel
 
 __all__ = ["CHECKPOINT_ROOT", "Eagle3Drafter", "build_eagle3_drafter", "random_model"]
 
@@ -155,9 +157,14 @@ def random_model(target: Any, draft_vocab_size: int, seed: int = 0) -> Eagle3Mod
     return untrained_head(Eagle3Model, arch, target, seed)
 
 
-def build_eagle3_drafter(config: Eagle3Config, target: Any) -> Eagle3Drafter:
-    """An :class:`Eagle3Drafter` for an in-process target (needs ``target.model``)."""
-    if not hasattr(target, "model"):
+def build_eagle3_drafter(
+    config: Eagle3Config, target: Any, cost_model: VerifyCostModel | None = None
+) -> Eagle3Drafter:
+    """An :class:`Eagle3Drafter` for an in-process target (a :class:`TargetModel`).
+
+    ``cost_model`` is not used: the tree size is the config's (``Eagle3Config.verify_curve_size`` is 0).
+    """
+    if not isinstance(target, TargetModel):
         raise ValueError("the eagle3 drafter needs an in-process target (its embeddings and config)")
     dtype = target.dtype
     if config.checkpoint == Eagle3Config.RANDOM:

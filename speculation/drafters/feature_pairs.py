@@ -118,10 +118,14 @@ class FeaturePairsDrafter(abc.ABC):
         """Draft from the encoded context: (pool, forwards spent, levels drafted)."""
 
     # ------------------------------------------------------------------ weights
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The network's weights (detached copies: later swaps do not change them)."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights into a copy of the network, then swap it in (atomic between steps)."""
         fresh = copy.deepcopy(self.model)
-        fresh.load_state_dict(state_dict)
+        fresh.load_state_dict(state)
         self.swap_model(fresh)
 
     def swap_model(self, model) -> None:

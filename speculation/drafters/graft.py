@@ -8,10 +8,13 @@ Per decode step, with K_max the dense tree size (root included) and stages s_1 <
    calibrated log path probabilities, so ``E_R = sum_{i in R} p_i`` is its expected accepted length.
 2. **Stage 0.** If 0 is a stage and ``E_R >= retrieval_confidence``, the drafter is not run this
    step (no forward at all): the verified tree is R cut to K_max - 1 nodes.
-3. **Prune.** Otherwise the drafter grows its beam level by level. At each stage depth s < s_m it
-   computes the beam's path mass ``C_s = sum_{b in beam} exp(S_b)`` (S = cumulative draft
-   log-prob) and stops if ``C_s < threshold``. The pool drafted so far is reranked to the stage's
-   node budget N_s: the pruned tree T_pi. Stopping early saves drafter forwards and tree slots.
+3. **Prune.** Otherwise the tree drafter (any :class:`~speculation.drafters.base.StagedDrafter`:
+   EAGLE-3 adds one level per forward, SpecBlock a block of K levels) grows its tree. At each stage
+   depth s < s_m it computes the path mass of its open leaves ``C_s = sum_{b in open} exp(S_b)``
+   (EAGLE-3's beam, SpecBlock's pending leaves; S = cumulative draft log-prob) and stops if
+   ``C_s < threshold``. The pool drafted so far is reranked to the node budget N_s of the stage
+   it stopped at (the smallest stage >= the levels drafted, should the drafter run out of open
+   leaves first): the pruned tree T_pi. Stopping early saves drafter forwards and tree slots.
 4. **Graft.** ``F = K_max - |T_pi|`` slots are free; up to ``min(F, graft_budget)`` nodes of R
    are attached best-first by retrieval score, starting at the root: an R node whose token equals
    an existing child is merged into it (the walk descends through drafter nodes that agree with
@@ -31,30 +34,36 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from speculation.config import GraftConfig
+from speculation.config import ConfigError, GraftConfig
 from speculation.cost import VerifyCostModel
 from speculation.drafters.base import DraftContext, Proposal, StagedDrafter, StepOutcome
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
+from speculation.drafters.specblock import build_specblock_drafter
 from speculation.tree import ROOT, DraftTree, NodeSource
+
+TREE_BUILDERS: dict[str, Callable[[Any, Any, VerifyCostModel | None], StagedDrafter]] = {
+    "eagle3": build_eagle3_drafter,
+    "specblock": build_specblock_drafter,
+}
+"""Builder of each ``graft.tree_drafter.type`` (the same keys as ``config.TREE_DRAFTER_CONFIGS``)."""
 
 
 @dataclass(frozen=True)
 class StageTemplate:
-    """What is fixed per (stage, K_max) and precomputed once: the drafter node budget N_s, the
-    graft capacity ``min(graft_budget, K_max - 1 - N_s)`` and the depth bound of the hybrid tree
-    (which sizes the position offsets the verify pass uses)."""
+    """What is fixed per (stage, K_max) and precomputed once: the drafter node budget N_s and the
+    graft capacity ``min(graft_budget, K_max - 1 - N_s)``."""
 
     stage: int
     k_max: int
     drafter_nodes: int
     graft_capacity: int
-    max_depth: int
 
 
 class RankAcceptance:
@@ -102,25 +111,31 @@ class GraftDrafter:
 
     Args:
         config: the Graft knobs.
-        drafter: any :class:`~speculation.drafters.base.StagedDrafter` (EAGLE-3 today); None when
-            the only stage is 0 (retrieval only).
+        drafter: any :class:`~speculation.drafters.base.StagedDrafter` (EAGLE-3, SpecBlock); None
+            when the only stage is 0 (retrieval only).
         retrieval: the retrieval source (its own cost cut disabled; the hybrid tree is sized here).
+        cost_model: the target's measured verify curve c(T); required when ``dense_budget`` is 0
+            (K_max is then chosen from it every step).
     """
 
     name = "graft"
     needs_aux = True
 
-    def __init__(self, config: GraftConfig, drafter: StagedDrafter | None, retrieval: RetrievalDrafter) -> None:
+    def __init__(self, config: GraftConfig, drafter: StagedDrafter | None, retrieval: RetrievalDrafter,
+                 cost_model: VerifyCostModel | None = None) -> None:
         if drafter is None and config.max_stage > 0:
             raise ValueError(f"graft.stages {list(config.stages)} need a tree drafter (only [0] runs without one)")
         if drafter is not None and not isinstance(drafter, StagedDrafter):
             raise TypeError(f"graft needs a drafter that can stop early (StagedDrafter.draft); {drafter.name!r} cannot")
+        if config.verify_curve_size() and cost_model is None:
+            raise ConfigError("graft.dense_budget = 0 (auto) needs the measured verify curve c(T): build the drafter "
+                              "with speculation.drafters.build_drafter (it measures c(T)), or set graft.dense_budget")
         self.config = config
         self.drafter = drafter
         self.retrieval = retrieval
         self.target_topk = retrieval.target_topk
-        self.cost_model: VerifyCostModel | None = None
-        """Measured c(T); required when ``dense_budget`` is 0 (auto)."""
+        self.cost_model = cost_model if config.verify_curve_size() else None
+        """The measured c(T) K_max is chosen from (``dense_budget`` 0), else None."""
         self.ranks = RankAcceptance(GraftConfig.AUTO_MAX)
         self._templates: dict[tuple[int, int], StageTemplate] = {}
         self._ranked_nodes: list[tuple[int, int]] = []  # (tree node, score rank) of drafter nodes
@@ -161,24 +176,29 @@ class GraftDrafter:
             confidence.append(mass)
             return mass < cfg.threshold
 
-        tree, forwards, levels = self.drafter.draft(ctx, lambda lv: self.template(lv, k_max).drafter_nodes, stop)
+        tree, forwards, levels = self.drafter.draft(
+            ctx, lambda lv: self.template(self.stage_of(lv), k_max).drafter_nodes, stop
+        )
         t0 = time.perf_counter()
-        tmpl = self.template(levels, k_max)
+        stage = self.stage_of(levels)
+        tmpl = self.template(stage, k_max)
         order = sorted(range(1, len(tree)), key=lambda i: -tree.scores[i])
         self._ranked_nodes = [(node, r) for r, node in enumerate(order)]
         grafted = graft(tree, retrieved, min(tmpl.graft_capacity, k_max - len(tree)))
         assembly = time.perf_counter() - t0
-        return self._proposal(tree, levels, forwards, k_max, grafted, assembly, expected,
+        return self._proposal(tree, stage, forwards, k_max, grafted, assembly, expected,
                               confidence[-1] if confidence else None)
 
     # ------------------------------------------------------------------ sizing
+    def stage_of(self, levels: int) -> int:
+        """The stage drafting stopped at after ``levels`` levels: the smallest stage >= ``levels``
+        (a drafter whose open leaves ran out stops between stages)."""
+        return next(s for s in self.config.stages if s >= levels)
+
     def dense_budget(self) -> int:
         """K_max for this step: the configured one, or the measured optimum (``dense_budget: 0``)."""
-        if self.config.dense_budget != GraftConfig.AUTO:
+        if self.cost_model is None:  # a configured K_max (the constructor checked that auto has c(T))
             return self.config.dense_budget
-        if self.cost_model is None:
-            raise RuntimeError("graft.dense_budget = 0 (auto) needs the measured verify curve: build the "
-                               "drafter with speculation.drafters.build_drafter, or set dense_budget")
         return self.ranks.best_size(self.cost_model, GraftConfig.AUTO_MAX)
 
     def template(self, stage: int, k_max: int) -> StageTemplate:
@@ -188,17 +208,17 @@ class GraftDrafter:
         if tmpl is None:
             n = self.config.stage_budget(stage, k_max)
             cap = min(self.config.graft_budget, k_max - 1 - n)
-            tmpl = StageTemplate(stage, k_max, n, cap, max(stage, 1) + self.retrieval.config.max_depth)
+            tmpl = StageTemplate(stage, k_max, n, cap)
             self._templates[key] = tmpl
         return tmpl
 
     def report(self) -> dict[str, Any]:
         """What the bench JSON records about this drafter's sizing."""
         out: dict[str, Any] = {
+            "tree_drafter": self.config.tree_type if self.drafter is not None else None,
             "dense_budget_rule": "configured" if self.config.dense_budget else
             "K_max = argmax_T (1 + sum_{r<T-1} a_r) / c(T); a_r = measured acceptance of the r-th best drafter node",
-            "stage_budgets": {s: self.config.stage_budget(s, self.dense_budget()) for s in self.config.stages}
-            if self.cost_model is not None or self.config.dense_budget else None,
+            "stage_budgets": {s: self.config.stage_budget(s, self.dense_budget()) for s in self.config.stages},
             "rank_acceptance": [round(a, 4) for a in self.ranks.rates[:64]],
         }
         if self.cost_model is not None:
@@ -220,10 +240,14 @@ class GraftDrafter:
         return Proposal(tree=tree, drafter_forwards=forwards, stats=stats)
 
 
-def build_graft_drafter(config: GraftConfig, target: Any) -> GraftDrafter:
-    """A :class:`GraftDrafter` for an in-process target (``config.drafter`` + retrieval)."""
+def build_graft_drafter(
+    config: GraftConfig, target: Any, cost_model: VerifyCostModel | None = None
+) -> GraftDrafter:
+    """A :class:`GraftDrafter` for an in-process target: the tree drafter of ``config.tree_type``
+    (built from ``config.tree``; none when the only stage is 0) + the retrieval source.
+    ``cost_model`` (c(T)) is required when ``dense_budget`` is 0 and ignored otherwise."""
     drafter = None
     if config.max_stage > 0:
-        # One builder per tree drafter type; SpecBlock joins here once it lands.
-        drafter = build_eagle3_drafter(config.eagle3(config.dense_budget or GraftConfig.AUTO_MAX), target)
-    return GraftDrafter(config, drafter, RetrievalDrafter(config.retrieval(), target.vocab_size))
+        drafter = TREE_BUILDERS[config.tree_type](config.tree, target, cost_model)
+    retrieval = RetrievalDrafter(config.retrieval(), target.vocab_size, cost_model=cost_model)
+    return GraftDrafter(config, drafter, retrieval, cost_model)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from speculation.config import RetrievalConfig
+from speculation.config import ConfigError, RetrievalConfig
 from speculation.cost import VerifyCostModel
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome
 from speculation.tree import DraftTree, NodeSource
@@ -243,13 +243,27 @@ _MAX_BUCKET = 8  # effective match lengths >= this share one calibration bucket
 
 
 class RetrievalDrafter:
-    """Suffix-index + datastore + transition-table drafter behind the :class:`Drafter` protocol."""
+    """Suffix-index + datastore + transition-table drafter behind the :class:`Drafter` protocol.
+
+    Args:
+        config: the drafter's knobs.
+        vocab_size: the target's vocabulary size (rows of the transition table).
+        cost_model: the target's measured verify curve c(T); required when ``config.cost_aware``
+            (each tree is then cut to the size c(T) favours), ignored otherwise.
+    """
 
     name = "retrieval"
     needs_aux = False
 
-    def __init__(self, config: RetrievalConfig, vocab_size: int) -> None:
+    def __init__(self, config: RetrievalConfig, vocab_size: int, cost_model: VerifyCostModel | None = None) -> None:
+        if config.cost_aware and cost_model is None:
+            raise ConfigError(
+                "retrieval.cost_aware is true but no verify-cost model c(T) was given: build the drafter with "
+                "speculation.drafters.build_drafter (it measures c(T) on the target), or set cost_aware: false"
+            )
         self.config = config
+        self.cost_model: VerifyCostModel | None = cost_model if config.cost_aware else None
+        """The measured c(T) each tree is cut by (None when ``cost_aware`` is false)."""
         self.target_topk = config.transition_topk
         self.table = TransitionTable(vocab_size, config.transition_topk) if config.transition_topk else None
         self.datastore = (
@@ -262,8 +276,6 @@ class RetrievalDrafter:
         self.rank_conf = [_Rate(0.35 / (1 + j)) for j in range(k)] + [_Rate(0.5 / (1 + j)) for j in range(k)]
         self.index = SuffixIndex(config.max_match_len + config.max_depth)
         self._full: tuple[DraftTree, list[tuple[_Kind, int] | None]] = (DraftTree(0), [None])
-        self.cost_model: VerifyCostModel | None = None
-        """When set, each tree is cut to the size the measured verify curve favours."""
 
     # ------------------------------------------------------------------ protocol
     def begin(self, ctx: DraftContext, prompt_aux: torch.Tensor | None = None) -> None:

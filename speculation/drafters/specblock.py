@@ -7,14 +7,17 @@ Per request (ALGORITHMS.md section 4):
   training-consistent pairing).
 * ``propose``:
 
-  1. **Encode + block 1.** One forward over the pending anchors, K slots each; their keys/values
-     at every layer join the *cross cache* (query (i, k) sees all slots of anchors j < i and
-     slots k' <= k of its own anchor). The last anchor is the root's pair; its K outputs are
-     block 1 of this step's tree.
+  1. **Encode + block 1.** One forward over the pending anchors, K_c slots each (K_c = the
+     checkpoint's K); their keys/values at every layer join the *cross cache* at rows
+     ``i * K_c + k`` (query (i, k) sees all K_c slots of anchors j < i and slots k' <= k of its
+     own anchor: the context training exposed). The last anchor is the root's pair; its first K
+     outputs (K = ``block_size`` <= K_c) are block 1 of this step's tree. Slot k depends only on
+     slots <= k of its own anchor, so drafting K < K_c slots is exact.
   2. **Widths.** Slot k's width ``W_k`` (tokens drafted there) is ``slot_widths[r_k]`` for the
      rank head's class r_k (``top_k`` with the rank head off); slot 0 takes ``beam``; with
      ``adaptive_widths`` confident slots are capped (p0 >= .9/.8/.6 -> 3/5/8; p >= .95/.85 -> 2/3).
-     ``W_k = 0`` (give up) ends the chain at slot k.
+     ``W_k = 0`` ends the chain at slot k: the give-up class does so with the default widths
+     (2, 4, 6, 0), and slot 0 of block 1 never does.
   3. **Block 1 tree.** Greedy g_k hangs under g_{k-1} (g_0 under the root) with score
      ``S_k = sum_{j<=k} log q_j(g_j)``; ranks 2..W_k are siblings of g_k scored
      ``S_{k-1} + log q_k``. g_k and its siblings become *pending leaves* where ``W_k > 1``, and
@@ -23,9 +26,10 @@ Per request (ALGORITHMS.md section 4):
      ``min(beam, max(1, (N - nodes) // K))`` pending leaves run in one batched forward: each
      starts a block with condition ``RMSNorm_c(d)`` of the slot it came from and its own token,
      at the root anchor's RoPE positions, attending to the cross cache of anchors before the
-     root, its *TTT cache* (the inherited slots' keys of every earlier block: slots <= the
-     slot it came from) and its own slots <= k. Each leaf appends a greedy chain plus
-     alternatives at every slot; new pending leaves inherit the TTT cache plus this block's keys.
+     root (all K_c slots each), its *TTT cache* (the inherited slots' keys of every earlier block:
+     slots <= the slot it came from) and its own slots <= k; it runs K slots. Each leaf appends a
+     greedy chain plus alternatives at every slot; new pending leaves inherit the TTT cache plus
+     this block's keys.
   5. **Rerank** the pool to ``total_tokens - 1`` nodes by cumulative log-prob
      (:mod:`speculation.drafters.candidate_pool`; children never outscore parents).
 
@@ -41,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from speculation.config import SpecBlockConfig
+from speculation.cost import VerifyCostModel
 from speculation.drafters.base import DraftContext, Proposal, StopRule
 from speculation.drafters.checkpoint import SPECBLOCK, load_for_target
 from speculation.drafters.candidate_pool import CandidatePool
@@ -48,6 +53,7 @@ from speculation.drafters.draft_kv import DraftKVCache
 from speculation.drafters.feature_pairs import FeaturePairsDrafter
 from speculation.drafters.head import untrained_head
 from speculation.drafters.specblock_model import RankClass, SpecBlockArch, SpecBlockModel
+from speculation.target import TargetModel
 
 SLOT0_CAPS = ((0.9, 3), (0.8, 5), (0.6, 8))
 """Adaptive width of slot 0: ``(p0 threshold, cap)``, first match wins."""
@@ -123,8 +129,13 @@ class SpecBlockDrafter(FeaturePairsDrafter):
 
     @property
     def K(self) -> int:
-        """Slots per block in use (the config's, at most the checkpoint's)."""
+        """Slots drafted per block (the config's, at most the checkpoint's)."""
         return self.config.block_size
+
+    @property
+    def Kc(self) -> int:
+        """Slots per anchor in the cross cache: the checkpoint's K (what training exposed)."""
+        return self.model.arch.block_size
 
     def _new_caches(self) -> list[DraftKVCache]:
         a = self.model.arch
@@ -149,33 +160,33 @@ class SpecBlockDrafter(FeaturePairsDrafter):
 
     # ------------------------------------------------------------------ internals
     def _encode(self, tokens: list[int]) -> None:
-        """Block 1 at the pending anchors [encoded, n_pairs); their K slots join the cross cache."""
-        m, K = self.model, self.K
+        """Block 1 at the pending anchors [encoded, n_pairs); all their K_c slots join the cross cache."""
+        m, Kc = self.model, self.Kc  # all the checkpoint's slots, even when fewer are drafted
         n0, n1 = self._encoded, self._n_pairs
         P = n1 - n0
         cond = m.condition_from_aux(self._aux[n0:n1])[None]  # [1, P, H]
         emb = self._embed(torch.tensor(tokens[n0 + 1 : n1 + 1], dtype=torch.long))[None]  # [1, P, H]
         anchors = torch.arange(n0, n1)
-        pos = anchors[:, None] + 1 + torch.arange(K)  # [P, K]
+        pos = anchors[:, None] + 1 + torch.arange(Kc)  # [P, Kc]
         # new rows (i, k) see every committed row before anchor n0, then (j, k') with j < i or
         # (j == i and k' <= k) among the new rows
-        qa, qk = anchors.repeat_interleave(K), torch.arange(K).repeat(P)  # [P*K]
+        qa, qk = anchors.repeat_interleave(Kc), torch.arange(Kc).repeat(P)  # [P*Kc]
         local = (qa[None, :] < qa[:, None]) | ((qa[None, :] == qa[:, None]) & (qk[None, :] <= qk[:, None]))
-        mask = torch.cat((torch.ones(P * K, n0 * K, dtype=torch.bool), local), dim=1)  # [P*K, n1*K]
+        mask = torch.cat((torch.ones(P * Kc, n0 * Kc, dtype=torch.bool), local), dim=1)  # [P*Kc, n1*Kc]
         for c in self.caches:
-            c.ensure(n1 * K)
+            c.ensure(n1 * Kc)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache = self.caches[li]
-            cache.write(n0 * K, k, v)
-            keys, values = cache.view(n1 * K)
+            cache.write(n0 * Kc, k, v)
+            keys, values = cache.view(n1 * Kc)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
-        d = m.block(cond, emb, pos, attend, slots=K)  # [1, P, K, H]
-        self._block1 = d[0, -1]  # [K, H]
+        d = m.block(cond, emb, pos, attend, slots=Kc)  # [1, P, K_c, H]
+        self._block1 = d[0, -1, : self.K]  # [K, H]: the slots drafted
         self._encoded = n1
         for c in self.caches:
-            c.length = n1 * K
+            c.length = n1 * Kc
 
     def _scratch_rows(self) -> int:
         """Rows later blocks may write after the committed ones (beam leaves x K x blocks)."""
@@ -223,7 +234,8 @@ class SpecBlockDrafter(FeaturePairsDrafter):
         """One batched later block: leaf l starts from its inherited slot (cross-block inheritance).
 
         Its keys go to cache rows ``scratch + l*K + k``; query (l, k) sees the committed rows of
-        anchors before the root, the leaf's TTT rows and its own slots <= k. Returns d ``[L, K, H]``.
+        anchors before the root (K_c each), the leaf's TTT rows and its own slots <= k. Returns d
+        ``[L, K, H]``.
         """
         m, K, n = self.model, self.K, self._encoded
         L = len(pending)
@@ -232,7 +244,7 @@ class SpecBlockDrafter(FeaturePairsDrafter):
         pos = (n + torch.arange(K)).expand(L, K)  # the root anchor's positions
         cols = scratch + L * K  # capacity reserved by _grow: ensure() here would drop earlier scratch rows
         mask = torch.zeros(L * K, cols, dtype=torch.bool)
-        mask[:, : (n - 1) * K] = True
+        mask[:, : (n - 1) * self.Kc] = True
         own = torch.arange(K)
         for li, p in enumerate(pending):
             r = slice(li * K, (li + 1) * K)
@@ -249,17 +261,17 @@ class SpecBlockDrafter(FeaturePairsDrafter):
 
     def _grow(self, stop: StopRule | None = None) -> tuple[CandidatePool, int]:
         """Block 1 from the cache, then batched later blocks; returns the pool and blocks run."""
-        cfg, K = self.config, self.K
+        cfg, K, Kc = self.config, self.K, self.Kc
         assert self._block1 is not None
         n = self._encoded
         for c in self.caches:  # room for every later block's rows (at most beam leaves x K each)
-            c.ensure(n * K + self._scratch_rows())
-        root_rows = list(range((n - 1) * K, n * K))
+            c.ensure(n * Kc + self._scratch_rows())
+        root_rows = list(range((n - 1) * Kc, (n - 1) * Kc + K))  # the root anchor's drafted slots
         pool = CandidatePool()
         logp, classes, top_prob = self._heads(self._block1[None])
         pending = self._expand(pool, logp[0], classes[0], top_prob[0], self._block1, -1, 0.0, [], root_rows, True)
         blocks = 1
-        scratch = n * K  # next free cache row for later blocks
+        scratch = n * Kc  # next free cache row for later blocks
         budget = cfg.total_tokens - 1
         for _ in range(cfg.max_blocks - 1):
             if not pending:
@@ -293,9 +305,14 @@ def random_model(target: Any, config: SpecBlockConfig) -> SpecBlockModel:
     return untrained_head(SpecBlockModel, arch, target, config.seed)
 
 
-def build_specblock_drafter(config: SpecBlockConfig, target: Any) -> SpecBlockDrafter:
-    """A :class:`SpecBlockDrafter` for an in-process target (needs ``target.model``)."""
-    if not hasattr(target, "model"):
+def build_specblock_drafter(
+    config: SpecBlockConfig, target: Any, cost_model: VerifyCostModel | None = None
+) -> SpecBlockDrafter:
+    """A :class:`SpecBlockDrafter` for an in-process target (a :class:`TargetModel`).
+
+    ``cost_model`` is not used: the tree size is the config's (``SpecBlockConfig.verify_curve_size`` is 0).
+    """
+    if not isinstance(target, TargetModel):
         raise ValueError("the specblock drafter needs an in-process target (its embeddings and config)")
     if config.checkpoint == SpecBlockConfig.RANDOM:
         model = random_model(target, config)

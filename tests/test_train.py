@@ -1,4 +1,5 @@
-"""Drafter training on a tiny random Llama: the loss falls, acceptance rises, runs resume.
+"""Drafter training on a tiny random Llama (the EAGLE-3 family): the loss falls, acceptance rises,
+runs resume.
 
 Data: the tiny target's own greedy continuations of random prompts (the self-distillation
 path, :func:`adaptation.data.regenerate`). A few hundred optimizer steps on one thread
@@ -14,10 +15,10 @@ import random
 import pytest
 import torch
 
-from adaptation.data import Sample, regenerate, regenerated_samples
-from adaptation.evaluation import measure_tau
+from adaptation.data import Sample, TrainData, regenerate, regenerated_samples
+from adaptation.eagle3_loss import Eagle3Family
 from adaptation.features import FeatureCache, extract_sequence
-from adaptation.trainer import Eagle3Trainer, Eagle3TrainConfig, TrainData
+from adaptation.trainer import Trainer, TrainConfig
 from adaptation.vocab import select_draft_vocab, token_counts
 from speculation.config import ConfigError, Eagle3Config
 from speculation.drafters.eagle3 import build_eagle3_drafter
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 64
 TREE = Eagle3Config(checkpoint="random", total_tokens=16, depth=3, top_k=4)
+FAMILY = Eagle3Family(eval_tree=TREE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,15 +54,15 @@ def _data(samples, prompts) -> TrainData:
     )
 
 
-def _cfg(**kw) -> Eagle3TrainConfig:
+def _cfg(**kw) -> TrainConfig:
     base = dict(
         max_len=64, draft_vocab_size=VOCAB, ttt_steps=3, curriculum_steps=1, curriculum_tokens=600,
         lr=1e-2, warmup_steps=5, batch_tokens=256, max_tokens=20_000, epochs=40, topk=8, shard_size=12,
-        eval_every_tokens=0, eval_prompts=6, eval_max_new_tokens=24, eval_tree=TREE, save_every_steps=10,
+        eval_every_tokens=0, eval_prompts=6, eval_max_new_tokens=24, save_every_steps=10,
         log_every_steps=5, autocast_bf16=False,
     )
     base.update(kw)
-    return Eagle3TrainConfig(**base)
+    return TrainConfig(**base)
 
 
 def test_regenerate_matches_greedy_decoding():
@@ -97,26 +99,28 @@ def test_vocab_selection_is_sorted_and_fills_gaps():
 
 def test_config_is_validated():
     with pytest.raises(ConfigError, match="train.curriculum_steps"):
-        Eagle3TrainConfig(ttt_steps=3, curriculum_steps=4)
+        TrainConfig(ttt_steps=3, curriculum_steps=4)
     with pytest.raises(ConfigError, match="train.batch_tokens"):
-        Eagle3TrainConfig(max_len=1024, batch_tokens=512)
+        TrainConfig(max_len=1024, batch_tokens=512)
+    with pytest.raises(ConfigError, match=r"train.step_decay must be in \(0, 1\]"):
+        Eagle3Family(step_decay=0.0)
 
 
 def test_training_lowers_loss_raises_acceptance_and_resumes(tmp_path):
     target, prompts, samples = _setup()
     data = _data(samples, prompts)
     # untrained head with the same vocabulary and init
-    before = Eagle3Trainer(_cfg(), target, data, tmp_path / "probe", "tiny", progress=False)
+    before = Trainer(_cfg(), FAMILY, target, data, tmp_path / "probe", "tiny", progress=False)
     before.setup()
-    tau0 = measure_tau(target, before.model, TREE, prompts[:6], 24)["tau"]
+    tau0 = before.measure_tau(prompts[:6])["tau"]
 
     # phase 1: stop after a few hundred tokens (as a kill would), then resume to the end
-    first = Eagle3Trainer(_cfg(max_tokens=1500), target, data, tmp_path / "run", "tiny", progress=False)
+    first = Trainer(_cfg(max_tokens=1500), FAMILY, target, data, tmp_path / "run", "tiny", progress=False)
     m1 = first.run()
     assert m1["training"]["tokens"] >= 1500
     losses1 = [e for e in first.state.evals]
     assert (tmp_path / "run" / "state.pt").is_file()
-    second = Eagle3Trainer(_cfg(), target, data, tmp_path / "run", "tiny", progress=False)
+    second = Trainer(_cfg(), FAMILY, target, data, tmp_path / "run", "tiny", progress=False)
     m2 = second.run(export=tmp_path / "export", command="pytest")
     assert m2["training"]["steps"] > m1["training"]["steps"]
     assert m2["training"]["tokens"] >= 20_000
@@ -146,10 +150,10 @@ def test_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
     target, prompts, samples = _setup()
     data = _data(samples, prompts)
     cfg = _cfg(max_tokens=2500, eval_prompts=0, save_every_steps=3)
-    ref = Eagle3Trainer(cfg, target, data, tmp_path / "ref", "tiny", progress=False)
+    ref = Trainer(cfg, FAMILY, target, data, tmp_path / "ref", "tiny", progress=False)
     ref.run()
 
-    original = Eagle3Trainer._train_step
+    original = Trainer._train_step
     calls = {"n": 0}
 
     def flaky(self, batch):
@@ -158,11 +162,11 @@ def test_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # as if the process were stopped here
         return original(self, batch)
 
-    monkeypatch.setattr(Eagle3Trainer, "_train_step", flaky)
+    monkeypatch.setattr(Trainer, "_train_step", flaky)
     with pytest.raises(KeyboardInterrupt):
-        Eagle3Trainer(cfg, target, data, tmp_path / "run", "tiny", progress=False).run()
-    monkeypatch.setattr(Eagle3Trainer, "_train_step", original)
-    resumed = Eagle3Trainer(cfg, target, data, tmp_path / "run", "tiny", progress=False)
+        Trainer(cfg, FAMILY, target, data, tmp_path / "run", "tiny", progress=False).run()
+    monkeypatch.setattr(Trainer, "_train_step", original)
+    resumed = Trainer(cfg, FAMILY, target, data, tmp_path / "run", "tiny", progress=False)
     resumed.run()
     assert resumed.state.step == ref.state.step and resumed.state.tokens == ref.state.tokens
     for k, v in ref.model.state_dict().items():

@@ -1,0 +1,102 @@
+"""CLI user errors are one line and exit 2, found before any weights load; compare's --metric
+knows each metric's direction; the bench table reads whole in 80 columns."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from rich.console import Console
+
+from graftblock import cli
+from speculation.bench import report
+from speculation.config import ConfigError
+from sweeps import compare
+from tests.ray_fixtures import apply_test_env
+
+apply_test_env()
+
+
+def _no_load(*a, **k):
+    raise AssertionError("the model was loaded before the tracking store was checked")
+
+
+def test_bench_with_unreachable_tracking_uri_fails_fast_before_loading(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_load_target", _no_load)
+    t0 = time.monotonic()
+    code = cli.main(["bench", "--methods", "vanilla", "--dataset", "humaneval", "--limit-per-category", "1",
+                     "--json", str(tmp_path / "o.json"), "--tracking-uri", "http://127.0.0.1:9"])
+    assert code == 2 and time.monotonic() - t0 < 10
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("graftblock bench: error: MLflow tracking URI http://127.0.0.1:9 is unreachable")
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_malformed_yaml_config_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_load_target", _no_load)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("retrieval: {budget: 8\n  max_depth: [\n")
+    code = cli.main(["bench", "--methods", "vanilla,retrieval", "--config", str(bad), "--no-mlflow",
+                     "--json", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"graftblock bench: error: --config {bad}: not valid YAML (")
+
+
+def test_ray_actor_error_is_one_line_exit_2(monkeypatch, capsys):
+    from ray.exceptions import RayActorError
+
+    def dies(args):
+        raise RayActorError(error_msg="The actor died unexpectedly before finishing this task.\n  class: TargetShard")
+
+    monkeypatch.setattr(cli, "cmd_assets", dies)  # build_parser binds the module's cmd_assets
+    assert cli.main(["assets"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("graftblock assets: error: RayActorError: The actor died unexpectedly")
+
+
+def test_compare_metric_is_validated_and_knows_directions(capsys):
+    with pytest.raises(ConfigError, match=r"--metric must be one of speedup \(max\), .*drafting_share \(min\)"):
+        compare.check_metric("speed")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["compare", "--experiment", "x", "--metric", "speed"])
+    assert exc.value.code == 2 and "invalid choice: 'speed'" in capsys.readouterr().err
+
+    def row(n, speedup, share, verify):
+        return compare.Row(run_id=str(n), run_name=str(n), status="FINISHED", kind="sweep_trial",
+                           method="retrieval", trial_number=n, config={},
+                           metrics={"speedup": speedup, "drafting_share": share, "verify_s_per_step": verify})
+
+    rows = [row(0, 1.4, 0.30, 0.2), row(1, 1.2, 0.05, 0.1), row(2, 1.1, 0.10, 0.3)]
+    assert compare.best_row(rows, "speedup").trial_number == 0
+    assert compare.best_row(rows, "drafting_share").trial_number == 1  # minimised
+    assert compare.best_row(rows, "verify_s_per_step").trial_number == 1  # minimised
+    pts = [(r.metrics["speedup"], r.metrics["drafting_share"]) for r in rows]
+    # y = drafting share (min) against x = speedup (max): row 2 is dominated by row 1.
+    assert compare.pareto_front(pts, (compare.Direction.MAX, compare.Direction.MIN)) == [0, 1]
+    assert compare.pareto_axes("drafting_share") == ["mean_tree_size", "speedup"]
+
+
+def _result():
+    cats = ["coding", "math_reasoning", "summarization", "translation"]
+    m = {"tokens_per_s": 123.4, "speedup": 1.234, "tau": 1.8, "mean_tree_size": 12.3, "drafting_share": 0.12,
+         "drafting_s_per_step": 0.0123, "verify_s_per_step": 0.2, "drafter_forwards_per_step": 3.0,
+         "lossless": True, "per_category": {c: {"speedup": 1.1, "tau": 1.5} for c in cats}}
+    return {"model": "smollm2-135m", "dtype": "bfloat16", "dataset": "spec_bench", "n_prompts": 26,
+            "n_turns": 26, "max_new_tokens": 128, "temperature": 0.0, "categories": cats,
+            "methods": {"vanilla": m, "retrieval": m, "graft_specblock": m}, "peers": {"hf_prompt_lookup": m}}
+
+
+def test_bench_table_headers_are_whole_at_80_columns():
+    console = Console(width=80, record=True)
+    report.render(_result(), console)
+    text = console.export_text()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    header = "\n".join(text.splitlines()[:8])
+    for word in ("method", "tok/s", "speedup", "tau", "tree", "draft", "share", "ms/step", "verify", "fwd/",
+                 "step", "lossless"):
+        assert word in header, word
+    assert "graft_specblock" in text and "summarization" in text and "math_reasoning" in text
