@@ -55,14 +55,6 @@ class DrafterType(str, enum.Enum):
     GRAFT = "graft"
 
 
-_CONFIGS: dict[DrafterType, type | None] = {
-    DrafterType.VANILLA: None,
-    DrafterType.RETRIEVAL: RetrievalConfig,
-    DrafterType.EAGLE3: Eagle3Config,
-    DrafterType.SPECBLOCK: SpecBlockConfig,
-    DrafterType.GRAFT: GraftConfig,
-}
-
 BUILTIN_VARIANTS: dict[str, Mapping[str, Any]] = {
     "graft_specblock": {"type": "graft", "tree_drafter": {"type": "specblock"}},  # Graft over SpecBlock
 }
@@ -77,12 +69,21 @@ def build_retrieval_drafter(config: RetrievalConfig, target: Any, cost_model: Ve
     return RetrievalDrafter(config, target.vocab_size, cost_model)
 
 
-_BUILDERS: dict[DrafterType, DrafterBuilder] = {
-    DrafterType.RETRIEVAL: build_retrieval_drafter,
-    DrafterType.EAGLE3: build_eagle3_drafter,
-    DrafterType.SPECBLOCK: build_specblock_drafter,
-    DrafterType.GRAFT: build_graft_drafter,
+@dataclass(frozen=True)
+class DrafterEntry:
+    """How a drafter type is configured and built: its config dataclass and its builder."""
+
+    config: type
+    build: DrafterBuilder
+
+
+_REGISTRY: dict[DrafterType, DrafterEntry] = {
+    DrafterType.RETRIEVAL: DrafterEntry(RetrievalConfig, build_retrieval_drafter),
+    DrafterType.EAGLE3: DrafterEntry(Eagle3Config, build_eagle3_drafter),
+    DrafterType.SPECBLOCK: DrafterEntry(SpecBlockConfig, build_specblock_drafter),
+    DrafterType.GRAFT: DrafterEntry(GraftConfig, build_graft_drafter),
 }
+"""One row per drafter type (vanilla has none: it is the loop without a drafter)."""
 
 
 @dataclass(frozen=True)
@@ -112,13 +113,13 @@ def resolve_methods(names: list[str], configs: Mapping[str, Mapping[str, Any]] |
     for name in names:
         section = {**BUILTIN_VARIANTS.get(name, {}), **(configs.get(name) or {})}
         dtype = _parse_type(name, section.pop("type", name))
-        cfg_cls = _CONFIGS[dtype]
-        if cfg_cls is None:
+        entry = _REGISTRY.get(dtype)
+        if entry is None:
             if section:
                 raise ConfigError(f"method {name!r} ({dtype.value}) takes no options, got {sorted(section)}")
             cfg = None
         else:
-            cfg = from_dict(cfg_cls, section, where=name)
+            cfg = from_dict(entry.config, section, where=name)
         specs.append(MethodSpec(name=name, type=dtype, config=cfg))
     return specs
 
@@ -136,4 +137,4 @@ def build_drafter(spec: MethodSpec, target: Any, cost_model: VerifyCostModel | N
     size = spec.config.verify_curve_size()
     if size and cost_model is None:
         cost_model = measure_cost_model(target, max_size=size)
-    return _BUILDERS[spec.type](spec.config, target, cost_model)
+    return _REGISTRY[spec.type].build(spec.config, target, cost_model)
