@@ -37,11 +37,12 @@ def test_trained_checkpoint_is_lossless_and_accepts(smol_fp32, spec_bench_refs):
 
 
 def test_trained_checkpoint_with_fewer_slots_per_block_is_lossless(smol_fp32, spec_bench_refs):
-    """block_size 2 < the checkpoint's K = 4, three blocks (depth 6)."""
+    """block_size 2 < the checkpoint's K = 4, three blocks (depth 6); the first 32 tokens of each
+    reference (suite time: the full-K test above checks all 64)."""
     drafter = build_specblock_drafter(SpecBlockConfig(checkpoint="auto", total_tokens=24, block_size=2, max_blocks=3),
                                       smol_fp32)
     assert drafter.K == 2 and drafter.Kc == 4
-    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
+    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs, max_new_tokens=32)
     assert all(c.length == drafter._encoded * 4 for c in drafter.caches)  # 4 cross-cache slots per anchor
     print(f"trained specblock, 2 of 4 slots per block: tau {tau:.2f}")
     assert tau > 1.2
