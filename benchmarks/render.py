@@ -25,6 +25,7 @@ SECTIONS: dict[str, str] = {
     "eagle3_graft_specbench_bf16": "EAGLE-3 tree budgets and the Graft ablation (bf16)",
     "graft_specbench_fp32": "Graft ablation (fp32)",
     "specblock_specbench_bf16": "SpecBlock against EAGLE-3, and its ablations (bf16)",
+    "specblock_giveup_bf16": "SpecBlock: the rank head's give-up class stops a branch (widths 2/4/6/0 against 2/4/6/4, bf16)",
     "specblock_grad_terms": "SpecBlock training: per-slot gradient norms with and without the valid-prefix mask",
     "verify_curve": "Verify cost curve c(T)",
     "ray_overhead": "Ray actor path: per-step overhead of sharding",
