@@ -275,3 +275,27 @@ class RecordingDrafter:
         p = self.inner.propose(ctx)
         self.proposals.append(p)
         return p
+
+
+def interrupt_training(monkeypatch, trainer, at_step: int) -> None:
+    """Run ``trainer`` and stop it with KeyboardInterrupt at its ``at_step``-th training step (as if
+    the process were stopped there); the trainer's crash path saves its state first."""
+    import pytest
+
+    from adaptation.trainer import Trainer
+
+    original = Trainer._train_step
+    calls = {"n": 0}
+
+    def interrupted(self, batch):
+        calls["n"] += 1
+        if calls["n"] == at_step:
+            raise KeyboardInterrupt
+        return original(self, batch)
+
+    monkeypatch.setattr(Trainer, "_train_step", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.run()
+    finally:
+        monkeypatch.setattr(Trainer, "_train_step", original)

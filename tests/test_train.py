@@ -23,7 +23,7 @@ from adaptation.vocab import select_draft_vocab, token_counts
 from speculation.config import ConfigError, Eagle3Config
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.checkpoint import load_checkpoint, read_manifest, TargetFingerprint
-from tests.helpers import tiny_llama, tiny_target
+from tests.helpers import interrupt_training, tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -153,19 +153,7 @@ def test_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
     ref = Trainer(cfg, FAMILY, target, data, tmp_path / "ref", "tiny", progress=False)
     ref.run()
 
-    original = Trainer._train_step
-    calls = {"n": 0}
-
-    def flaky(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 8:
-            raise KeyboardInterrupt  # as if the process were stopped here
-        return original(self, batch)
-
-    monkeypatch.setattr(Trainer, "_train_step", flaky)
-    with pytest.raises(KeyboardInterrupt):
-        Trainer(cfg, FAMILY, target, data, tmp_path / "run", "tiny", progress=False).run()
-    monkeypatch.setattr(Trainer, "_train_step", original)
+    interrupt_training(monkeypatch, Trainer(cfg, FAMILY, target, data, tmp_path / "run", "tiny", progress=False), 8)
     resumed = Trainer(cfg, FAMILY, target, data, tmp_path / "run", "tiny", progress=False)
     resumed.run()
     assert resumed.state.step == ref.state.step and resumed.state.tokens == ref.state.tokens

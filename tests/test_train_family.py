@@ -39,7 +39,7 @@ from speculation.drafters.base import DraftContext, Proposal, StepOutcome
 from speculation.drafters.checkpoint import CheckpointKind, TargetFingerprint, load_checkpoint, read_manifest
 from speculation.drafters.head import DraftVocabMixin, HeadArch, target_dims
 from speculation.tree import DraftTree, NodeSource
-from tests.helpers import tiny_llama, tiny_target
+from tests.helpers import interrupt_training, tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -247,19 +247,7 @@ def test_a_registered_family_is_offered_trained_evaluated_saved_and_resumed(tmp_
         assert torch.equal(head.state_dict()[k], saved), k
 
     # a run interrupted mid-shard resumes from its saved state to exactly the uninterrupted weights
-    original = Trainer._train_step
-    calls = {"n": 0}
-
-    def interrupted(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 8:
-            raise KeyboardInterrupt  # as if the process were stopped here
-        return original(self, batch)
-
-    monkeypatch.setattr(Trainer, "_train_step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        Trainer(cfg, family, target, data, tmp_path / "run", "tiny", progress=False).run()
-    monkeypatch.setattr(Trainer, "_train_step", original)
+    interrupt_training(monkeypatch, Trainer(cfg, family, target, data, tmp_path / "run", "tiny", progress=False), 8)
     resumed = Trainer(cfg, family, target, data, tmp_path / "run", "tiny", progress=False)
     resumed.setup()
     assert resumed.state.step == 7  # the crash path saved the state after the 7th step
