@@ -63,13 +63,36 @@ def _add_tracking_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experiment", default="graftblock-bench", help="MLflow experiment name")
 
 
-def _load_target(model: str, dtype: str):
+def _load_target(model: str, dtype: str, device: str = "cpu"):
     from speculation import assets
     from speculation.target import TargetModel
 
     dt = DType.parse(dtype)
     model_obj, tokenizer = assets.load_model_and_tokenizer(model, dt.torch)
-    return TargetModel(model_obj, tokenizer)
+    return TargetModel(model_obj.to(device), tokenizer)
+
+
+def _parse_concurrency(text: str | None) -> list[int]:
+    """``--concurrency 1,4,8`` -> [1, 4, 8] (each in [1, 1024])."""
+    if not text:
+        return []
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--concurrency must be comma-separated integers, got {text!r}") from None
+    if not levels or any(not 1 <= n <= 1024 for n in levels):
+        raise ConfigError(f"--concurrency values must be in [1, 1024], got {text!r}")
+    return levels
+
+
+def _check_device(device: str) -> str:
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible to torch")
+    return device
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -111,8 +134,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from graftblock import ray_commands as ray_cli
 
     ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
+    levels = _parse_concurrency(args.concurrency)
+    if levels and args.ray:
+        raise ConfigError("--concurrency runs the in-process batched engine; it cannot be combined with --ray")
+    device = _check_device(args.device)
     store = _open_store(args)  # a bad tracking store fails now, not after the run
-    target = _load_target(cfg.model, cfg.dtype.value)
+    target = _load_target(cfg.model, cfg.dtype.value, device)
 
     from speculation.bench.runner import run_bench
     from tqdm import tqdm
@@ -127,6 +154,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_bench(cfg, target, questions, method_configs, progress, method_parts=parts)
     if args.ray:
         result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
+    if levels:
+        from speculation.bench.runner import run_concurrency
+
+        result["concurrency"] = run_concurrency(cfg, target, questions, levels, method_configs,
+                                                goodput=args.goodput)
+    result["device"] = device
     result["command"] = "graftblock " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bar.close()
     report.render(result, console)
@@ -244,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", default="", help="hf_generate,hf_prompt_lookup")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--verify-curve", action="store_true", help="measure c(T) for T = 1..128 instead")
+    b.add_argument("--concurrency", default=None,
+                   help="e.g. 1,4,8: also run closed-loop clients through the batched engine at each level")
+    b.add_argument("--goodput", action="store_true", help="--concurrency: split tree tokens by the goodput rule")
+    b.add_argument("--device", default="cpu", help="cpu | cuda (the in-process target and drafters)")
     b.add_argument("--json", required=True, help="where to write the result JSON")
     _add_tracking_args(b)
     from graftblock import ray_commands as ray_cli
@@ -273,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     from graftblock.export_vllm import add_export_parser
 
     add_export_parser(sub)  # export vllm
+    from graftblock.serve import add_serve_parser
+
+    add_serve_parser(sub)  # serve (OpenAI-compatible, Ray Serve)
+    from graftblock.adapt import add_adapt_parser
+
+    add_adapt_parser(sub)  # adapt-bench (online adaptation policies on a domain-shift stream)
     return parser
 
 

@@ -211,9 +211,12 @@ class GraftConfig:
     (EAGLE-3: one level per forward; SpecBlock: K levels per block) and may stop at each *stage* (a
     drafter depth) when the path mass of its open leaves ``sum_b exp(S_b)`` falls under
     ``threshold``; stage 0 means "no drafter this step, retrieval only" and is taken when the
-    retrieval tree's expected accepted length ``sum_i p_i`` reaches ``retrieval_confidence``. The
-    pruned tree keeps at most ``N_s`` drafter nodes for the stage it stopped at; retrieved tokens
-    are grafted into the ``dense_budget - 1 - |pruned|`` freed slots (at most ``graft_budget``).
+    drafter gate says calling the drafter does not pay this step (its expected marginal accepted
+    tokens, priced by the per-token time, do not exceed its measured drafting time plus the extra
+    verify cost of its nodes). The pruned tree keeps at most ``N_s`` drafter nodes for the stage it
+    stopped at; retrieved tokens, anchored at the root and at the ``graft_anchors`` kept drafter
+    nodes of highest path mass, are grafted best-first into the ``dense_budget - 1 - |pruned|``
+    freed slots (at most ``graft_budget``).
     """
 
     AUTO = 0
@@ -234,9 +237,9 @@ class GraftConfig:
     (SpecBlock, K = block_size)."""
     threshold: float = 0.3
     """Stop at a stage when the open leaves' path mass sum_b exp(S_b) is below this. Range [0, 1]."""
-    retrieval_confidence: float = 3.0
-    """Stage 0 (skip the drafter) when the retrieval tree's expected accepted length sum_i p_i is
-    at least this. Range [0, 1024]; a value above the graft budget never skips."""
+    gate_warmup: int = 4
+    """Drafter gate (when 0 is a stage): drafter calls per retrieval-confidence bucket before the
+    gate trusts its measured marginal gain; until then the drafter is called. Range [0, 1000]."""
     dense_budget: int = 48
     """K_max: verified tree size of the dense tree, root included (the size the tree drafter's
     dense tree would have); 0 = choose it per step from the measured c(T) and the drafter's measured
@@ -247,6 +250,9 @@ class GraftConfig:
     drafter's first level (EAGLE-3: top_k; SpecBlock: beam)."""
     graft_budget: int = 16
     """Most retrieved nodes grafted per step (and never beyond the freed slots). Range [0, 1024]."""
+    graft_anchors: int = 4
+    """Kept drafter nodes (highest path mass first) whose own path is also retrieved on and grafted
+    under, besides the root; 0 = root-anchored retrieval only. Range [0, 64]."""
     min_match_len: int = 1
     """Retrieval: shortest suffix match that may propose. Range [1, max_match_len]."""
     max_match_len: int = 16
@@ -277,11 +283,12 @@ class GraftConfig:
             )
         object.__setattr__(self, "stages", tuple(stages))
         _check_float(o, "threshold", self.threshold, 0.0, 1.0)
-        _check_float(o, "retrieval_confidence", self.retrieval_confidence, 0.0, 1024.0)
+        _check_int(o, "gate_warmup", self.gate_warmup, 0, 1000)
         _check_int(o, "dense_budget", self.dense_budget, 0, 1024)
         if self.dense_budget == 1:
             raise ConfigError(f"{o}.dense_budget must be 0 (auto) or in [2, 1024], got 1")
         _check_int(o, "graft_budget", self.graft_budget, 0, 1024)
+        _check_int(o, "graft_anchors", self.graft_anchors, 0, 64)
         _check_int(o, "max_match_len", self.max_match_len, 1, 64)
         _check_int(o, "min_match_len", self.min_match_len, 1, self.max_match_len)
         _check_int(o, "retrieval_budget", self.retrieval_budget, 1, 512)
@@ -345,8 +352,16 @@ class GraftConfig:
 
     def verify_curve_size(self) -> int:
         """Largest tree size T (root included) whose verify cost c(T) Graft needs: ``AUTO_MAX``
-        when ``dense_budget`` is 0 (K_max chosen from c(T)), else 0."""
-        return self.AUTO_MAX if self.dense_budget == self.AUTO else 0
+        when ``dense_budget`` is 0 (K_max chosen from c(T)); ``dense_budget`` when the drafter gate
+        runs (0 is a stage and a drafter exists: it prices nodes by c(T)); else 0."""
+        if self.dense_budget == self.AUTO:
+            return self.AUTO_MAX
+        return self.dense_budget if self.gated else 0
+
+    @property
+    def gated(self) -> bool:
+        """Whether the per-step drafter gate runs: stage 0 (retrieval only) and a drafter stage."""
+        return self.stages[0] == 0 and self.max_stage > 0
 
     def stage_budget(self, stage: int, k_max: int) -> int:
         """N_s: drafter nodes kept when drafting stopped at ``stage`` (tree size ``k_max``)."""
@@ -638,3 +653,42 @@ class SpecBlockConfig:
 
 TREE_DRAFTER_CONFIGS: dict[str, type] = {"eagle3": Eagle3Config, "specblock": SpecBlockConfig}
 """Graft's tree drafter types (``graft.tree_drafter.type``) and their configs (:class:`StagedTreeConfig`)."""
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Continuous batching (:class:`speculation.engine.BatchEngine`): KV slots and the step budget.
+
+    Memory is bounded up front: the KV pool holds ``max_sequences`` slots of
+    ``max_tokens_per_sequence`` rows each (per layer ``2 * S * L * kv_heads * head_dim`` values).
+    A request needs ``len(prompt) + max_new_tokens <= max_tokens_per_sequence``; one that never
+    fits is refused at ``add``; one that fits waits for a free slot. Live sequences are never
+    evicted; a draft tree is cut (best nodes first) to the rows left in its slot.
+    """
+
+    max_sequences: int = 8
+    """Live sequences (KV slots) verified together in one forward. Range [1, 1024]."""
+    max_tokens_per_sequence: int = 1024
+    """KV rows per slot: prompt + generated tokens + the tree being verified. Range [2, 1048576]."""
+    max_tree_tokens: int = 64
+    """Largest tree (root included) one sequence may verify per step. Range [1, 4096]."""
+    step_token_budget: int | None = None
+    """Tree tokens (roots included) verified per step over the whole batch; None = no batch cap
+    (each sequence gets ``max_tree_tokens``). Must be >= max_sequences (every live sequence
+    verifies at least its root). Range [max_sequences, 1048576]."""
+    goodput: bool = False
+    """Split the step's tree-token budget across sequences with the goodput rule
+    (:mod:`speculation.goodput`) instead of giving every sequence its full tree."""
+    max_waiting: int = 4096
+    """Requests queued for a slot at once; ``add`` refuses more. Range [0, 1048576]."""
+
+    def __post_init__(self) -> None:
+        o = "batch"
+        _check_int(o, "max_sequences", self.max_sequences, 1, 1024)
+        _check_int(o, "max_tokens_per_sequence", self.max_tokens_per_sequence, 2, 1 << 20)
+        _check_int(o, "max_tree_tokens", self.max_tree_tokens, 1, 4096)
+        if self.step_token_budget is not None:
+            _check_int(o, "step_token_budget", self.step_token_budget, self.max_sequences, 1 << 20)
+        if not isinstance(self.goodput, bool):
+            raise ConfigError(f"{o}.goodput must be true or false, got {self.goodput!r}")
+        _check_int(o, "max_waiting", self.max_waiting, 0, 1 << 20)

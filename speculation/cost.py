@@ -1,38 +1,74 @@
-"""Cost-model tree sizing from the measured verify curve c(T).
+"""Cost-model tree sizing from the measured verify curve c(T, L).
 
 With per-node acceptance estimates p_i (the probability that node i ends on the accepted path),
 a tree of nodes 1..n has expected tokens per step ``A(n) = 1 + sum_{i<=n} p_i`` (bonus
-included) and costs ``c(n + 1) + d`` seconds (verify over n drafts plus the root, plus drafting
-time d). The best tree is the prefix, in best-first order, that maximises::
+included) and costs ``c(n + 1, L) + d`` seconds (verify over n drafts plus the root at a
+committed context of L tokens, plus drafting time d). The best tree is the prefix, in best-first
+order, that maximises::
 
-    rate(n) = A(n) / (c(n + 1) + d)
+    rate(n) = A(n) / (c(n + 1, L) + d)
 
 Best-first order visits parents before children, so every prefix is a valid tree. This is the
 Graft paper's B.3 condition turned into a rule: a node is worth verifying when what it adds to
 the expected accepted length outweighs what it adds to the verify cost. ``n = 0`` (verify the
 root alone: plain decoding) is always a candidate, so speculation never runs at a predicted loss.
+
+c(T, L) is measured on the target at a few context lengths L (:data:`DEFAULT_CONTEXTS`) and
+interpolated bilinearly: linear in T between measured sizes (linear in the last slope beyond the
+largest), linear in L between measured contexts (flat beyond the ends). On a CUDA target every
+timed call is bracketed by ``torch.cuda.synchronize``, so c(T, L) is device time, not launch time.
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+DEFAULT_CONTEXT = 256
+"""The context length of the one-dimensional curve (``sizes``/``seconds``)."""
+DEFAULT_CONTEXTS = (64, DEFAULT_CONTEXT, 1024)
+"""Context lengths c(T, L) is measured at by :func:`measure_cost_model` (those that fit the target)."""
+
+
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float, extrapolate: bool) -> float:
+    """Piecewise-linear y(x); below the first point flat, beyond the last linear in the last
+    (non-negative) slope when ``extrapolate``, else flat."""
+    if x <= xs[0]:
+        return ys[0]
+    j = bisect.bisect_left(xs, x)
+    if j == len(xs):
+        if len(xs) == 1 or not extrapolate:
+            return ys[-1]
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + max(slope, 0.0) * (x - xs[-1])
+    x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)
 class VerifyCostModel:
-    """Piecewise-linear c(T) through measured points (seconds), flat-extrapolated at the ends.
+    """Piecewise-linear c(T) through measured points (seconds), optionally per context length.
 
     Attributes:
         sizes: increasing tree sizes T (tokens verified, root included).
-        seconds: measured median seconds of one verify + commit at each size.
+        seconds: measured median seconds of one verify + commit at each size, at the reference
+            context (:data:`DEFAULT_CONTEXT` when measured here).
+        contexts: increasing committed-context lengths L of the rows of ``grid`` (empty = c does
+            not depend on L: ``seconds`` is used at every length).
+        grid: ``[len(contexts)][len(sizes)]`` seconds of c(T, L).
     """
 
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
+    contexts: tuple[int, ...] = ()
+    grid: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.seconds) or not self.sizes:
@@ -41,55 +77,127 @@ class VerifyCostModel:
             raise ValueError(f"sizes must be strictly increasing and >= 1, got {self.sizes}")
         if any(s <= 0 for s in self.seconds):
             raise ValueError("seconds must be positive")
+        if list(self.contexts) != sorted(set(self.contexts)) or any(c < 1 for c in self.contexts):
+            raise ValueError(f"contexts must be strictly increasing and >= 1, got {self.contexts}")
+        if len(self.grid) != len(self.contexts) or any(len(row) != len(self.sizes) for row in self.grid):
+            raise ValueError(f"grid must be [len(contexts)={len(self.contexts)}][len(sizes)={len(self.sizes)}]")
+        if any(s <= 0 for row in self.grid for s in row):
+            raise ValueError("grid seconds must be positive")
 
     @classmethod
     def from_curve(cls, curve: Mapping[int | str, float]) -> "VerifyCostModel":
         items = sorted((int(k), float(v)) for k, v in curve.items())
         return cls(tuple(k for k, _ in items), tuple(v for _, v in items))
 
-    def cost(self, size: int) -> float:
-        """c(size) by linear interpolation; beyond the last point, linear in the last slope."""
-        xs, ys = self.sizes, self.seconds
-        if size <= xs[0]:
-            return ys[0]
-        j = bisect.bisect_left(xs, size)
-        if j == len(xs):
-            if len(xs) == 1:
-                return ys[-1]
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            return ys[-1] + max(slope, 0.0) * (size - xs[-1])
-        x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
-        return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+    @classmethod
+    def from_grid(cls, grid: Mapping[int, Mapping[int, float]], reference: int = DEFAULT_CONTEXT) -> "VerifyCostModel":
+        """From ``{context: {size: seconds}}`` (every context measured at the same sizes); the 1-D
+        curve is the row nearest ``reference``."""
+        contexts = tuple(sorted(grid))
+        if not contexts:
+            raise ValueError("from_grid needs at least one context row")
+        sizes = tuple(sorted(grid[contexts[0]]))
+        rows = tuple(tuple(float(grid[c][s]) for s in sizes) for c in contexts)
+        ref = min(range(len(contexts)), key=lambda i: abs(contexts[i] - reference))
+        return cls(sizes, rows[ref], contexts, rows)
 
-    def best_prefix(self, path_probs: Sequence[float], drafting_s: float = 0.0) -> int:
-        """The n maximising ``(1 + sum(path_probs[:n])) / (c(n + 1) + drafting_s)``."""
-        best_n, best_rate = 0, 1.0 / (self.cost(1) + drafting_s)
+    def cost(self, size: int, context: int | None = None) -> float:
+        """c(size, context): linear in size (in the last slope beyond the largest), linear in the
+        context between measured lengths; ``context`` None (or no grid) uses the 1-D curve."""
+        if context is None or not self.contexts:
+            return _interp(self.sizes, self.seconds, size, extrapolate=True)
+        per_ctx = [_interp(self.sizes, row, size, extrapolate=True) for row in self.grid]
+        return _interp(self.contexts, per_ctx, context, extrapolate=False)
+
+    def best_prefix(self, path_probs: Sequence[float], drafting_s: float = 0.0, context: int | None = None) -> int:
+        """The n maximising ``(1 + sum(path_probs[:n])) / (c(n + 1, context) + drafting_s)``."""
+        best_n, best_rate = 0, 1.0 / (self.cost(1, context) + drafting_s)
         acc = 1.0
         for n, p in enumerate(path_probs, start=1):
             acc += p
-            rate = acc / (self.cost(n + 1) + drafting_s)
+            rate = acc / (self.cost(n + 1, context) + drafting_s)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
 
 
-_MEASURED: weakref.WeakKeyDictionary[Any, dict[int, float]] = weakref.WeakKeyDictionary()
-"""Per target: c(T) seconds measured so far, by tree size (dropped with the target)."""
+@runtime_checkable
+class OnDevice(Protocol):
+    """A target whose forwards run on a torch device (the in-process ``TargetModel``)."""
+
+    @property
+    def device(self) -> torch.device: ...
 
 
-def measure_cost_model(target: Any, max_size: int, repeats: int = 5) -> VerifyCostModel:
-    """Measure c(T) on ``target`` (any target backend) at powers of two up to ``max_size``.
+def _synchronize(target: Any) -> None:
+    """Wait for queued device work, so wall time is device time (CUDA targets only)."""
+    if isinstance(target, OnDevice) and target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
 
-    Sizes already measured on this target are reused, so several drafters built against one
+
+def measure_at_context(
+    target: Any, sizes: Sequence[int], context: int, repeats: int = 5, warmup: int = 2, seed: int = 0
+) -> dict[int, float]:
+    """Median seconds of ``verify`` + ``commit`` (root kept) per tree size, over a committed
+    random prefix of ``context`` tokens (restored after each repeat), synchronised on CUDA."""
+    from speculation.bench.verify_curve import random_tree
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(target.vocab_size, (context,), generator=gen).tolist()
+    state, _, _ = target.prefill(prompt)
+    out: dict[int, float] = {}
+    try:
+        for size in sizes:
+            tree = random_tree(size, target.vocab_size, gen)
+            times = []
+            for i in range(warmup + repeats):
+                _synchronize(target)
+                t0 = time.perf_counter()
+                target.verify(state, tree)
+                target.commit(state, tree, [0])
+                _synchronize(target)
+                dt = time.perf_counter() - t0
+                target.truncate(state, context)
+                if i >= warmup:
+                    times.append(dt)
+            out[size] = statistics.median(times)
+    finally:
+        target.release(state)
+    return out
+
+
+_MEASURED: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], float]] = weakref.WeakKeyDictionary()
+"""Per target: c(T, L) seconds measured so far, by (context, tree size) (dropped with the target)."""
+
+
+def _fits(target: Any, context: int, size: int) -> bool:
+    from speculation.target import ContextLengthError
+
+    try:
+        target.check_fits(context, size)
+    except ContextLengthError:
+        return False
+    return True
+
+
+def measure_cost_model(
+    target: Any, max_size: int, repeats: int = 5, contexts: Sequence[int] = DEFAULT_CONTEXTS
+) -> VerifyCostModel:
+    """Measure c(T, L) on ``target`` (any target backend) at powers of two up to ``max_size`` and
+    at each context length of ``contexts`` that fits the target's window (at least the shortest).
+
+    Points already measured on this target are reused, so several drafters built against one
     target pay for the measurement once.
     """
-    from speculation.bench.verify_curve import measure
-
     sizes = [1]
     while sizes[-1] < max_size:
         sizes.append(min(sizes[-1] * 2, max_size))
+    wanted = sorted(set(contexts))
+    fitting = [c for c in wanted if _fits(target, c, sizes[-1])] or wanted[:1]
     cached = _MEASURED.setdefault(target, {})
-    todo = tuple(s for s in sizes if s not in cached)
-    if todo:
-        cached.update(measure(target, sizes=todo, repeats=repeats))
-    return VerifyCostModel.from_curve({s: cached[s] for s in sizes})
+    for ctx in fitting:
+        todo = [s for s in sizes if (ctx, s) not in cached]
+        if todo:
+            for s, sec in measure_at_context(target, todo, ctx, repeats=repeats).items():
+                cached[(ctx, s)] = sec
+    return VerifyCostModel.from_grid({c: {s: cached[(c, s)] for s in sizes} for c in fitting})

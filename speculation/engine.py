@@ -1,6 +1,12 @@
-"""The decode loop: draft -> verify -> accept -> commit -> observe, and the vanilla loop.
+"""The decode loop: draft -> verify -> accept -> commit -> observe; solo and continuously batched.
 
-Both loops run on the same :class:`TargetBackend` (the in-process :class:`TargetModel`, or a
+One per-sequence step logic (:class:`_Sequence`: first token, drafting, acceptance, KV commit,
+truncation, observation, feedback, step record) serves the batch-1 loops
+(:func:`generate_vanilla`, :func:`generate_speculative`) and :class:`BatchEngine`, which verifies
+the trees of all live sequences in one target forward. Vanilla is the same logic with trees of
+one token.
+
+The batch-1 loops run on the same :class:`TargetBackend` (the in-process :class:`TargetModel`, or a
 proxy over Ray actors), so speedups compare like with like and the distributed path reuses this
 exact loop. Every speculative step is recorded as a :class:`StepRecord`; all metrics are
 computed from those records.
@@ -13,6 +19,9 @@ ends, normally or by an error.
 
 from __future__ import annotations
 
+import collections
+import enum
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,9 +30,10 @@ from typing import Protocol, TypeVar, runtime_checkable
 import torch
 
 from speculation import verify as V
-from speculation.config import EngineConfig, SamplingConfig
+from speculation.config import BatchConfig, EngineConfig, SamplingConfig
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
-from speculation.target import TreeForward
+from speculation.goodput import BatchCostModel, RankAcceptance, measure_batch_cost, split_budget
+from speculation.target import ContextLengthError, SlotState, TargetModel, TreeForward
 from speculation.tree import DraftTree, NodeSource
 
 StateT = TypeVar("StateT")
@@ -122,16 +132,148 @@ class GenerationResult:
 def _choose(logits: torch.Tensor, sampling: SamplingConfig, procs, gen: torch.Generator | None) -> int:
     if sampling.greedy:
         return int(logits.argmax())
-    return V.sample_token(logits, procs, gen)
+    return V.sample_token(logits.cpu(), procs, gen)  # the generator is a CPU one (seeded per request)
 
 
-def _finish(out: list[int], new: list[int], max_new: int, eos: frozenset[int], stop_at_eos: bool) -> bool:
-    """Append ``new`` to ``out`` up to the limits; True when generation is over."""
-    for t in new:
-        out.append(t)
-        if len(out) >= max_new or (stop_at_eos and t in eos):
-            return True
-    return False
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended (OpenAI's ``finish_reason`` values)."""
+
+    LENGTH = "length"
+    """``max_new_tokens`` tokens were generated."""
+    STOP = "stop"
+    """A stop token (EOS or one of the request's ``stop_token_ids``) was generated (kept in the output)."""
+    ABORT = "abort"
+    """The caller aborted the request."""
+
+
+FeedbackSink = Callable[[DraftContext, StepOutcome], None]
+
+
+class _Sequence:
+    """One sequence's decode state and the per-step logic every loop shares.
+
+    The solo loops (:func:`generate_vanilla`, :func:`generate_speculative`) and
+    :class:`BatchEngine` differ only in how the target forward runs (one tree, or all trees of
+    the batch in one forward); choosing the first token, drafting, acceptance, KV commit,
+    output truncation, drafter observation, feedback and the step record all happen here.
+    ``drafter`` None is vanilla decoding: every tree is the root alone.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        stop_ids: frozenset[int],
+        drafter: Drafter | None,
+        feedback: FeedbackSink | None = None,
+    ) -> None:
+        self.prompt_ids = prompt_ids
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.drafter = drafter
+        self.feedback = feedback
+        self.procs = V.build_processors(sampling)
+        self.gen = torch.Generator().manual_seed(sampling.seed)
+        self.out: list[int] = []
+        self.steps: list[StepRecord] = []
+        self.finished: FinishReason | None = None
+        self.ctx = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids))
+        self.t0 = time.perf_counter()
+        self.prefill_s = 0.0
+        self.t_end: float | None = None
+        self.last_accepted: list[int] = []
+
+    @property
+    def needs_aux(self) -> bool:
+        return self.drafter is not None and self.drafter.needs_aux
+
+    def result(self) -> GenerationResult:
+        end = self.t_end if self.t_end is not None else time.perf_counter()
+        return GenerationResult(tokens=list(self.out), wall_s=end - self.t0, prefill_s=self.prefill_s,
+                                steps=list(self.steps))
+
+    def _append(self, new: list[int]) -> list[int]:
+        """Append ``new`` up to the limits (stop token kept); sets :attr:`finished`; returns what was kept."""
+        kept: list[int] = []
+        for t in new:
+            self.out.append(t)
+            kept.append(t)
+            if t in self.stop_ids:
+                self.finished = FinishReason.STOP
+            elif len(self.out) >= self.max_new_tokens:
+                self.finished = FinishReason.LENGTH
+            if self.finished is not None:
+                self.t_end = time.perf_counter()
+                break
+        return kept
+
+    def start(self, logits: torch.Tensor, prompt_aux: torch.Tensor | None) -> list[int]:
+        """After prefill (next-token logits ``[V]``): choose the first token, begin the drafter."""
+        tok = _choose(logits, self.sampling, self.procs, self.gen)
+        self.ctx.tokens.append(tok)
+        if self.drafter is not None:
+            self.drafter.begin(self.ctx, prompt_aux)
+        self.prefill_s = time.perf_counter() - self.t0
+        return self._append([tok])
+
+    def propose(self, max_tree: int | None = None) -> tuple[DraftTree, Proposal | None, float]:
+        """The tree to verify (cut to its best ``max_tree`` nodes, root included), the proposal, seconds."""
+        if self.drafter is None:
+            return DraftTree(self.ctx.root_token), None, 0.0
+        ta = time.perf_counter()
+        proposal = self.drafter.propose(self.ctx)
+        tree = proposal.tree
+        if max_tree is not None and len(tree) > max_tree:
+            tree = tree.pruned_to(max_tree - 1)
+        return tree, proposal, time.perf_counter() - ta
+
+    def settle(
+        self,
+        tree: DraftTree,
+        fwd: TreeForward,
+        commit: Callable[[DraftTree, list[int]], None],
+        proposal: Proposal | None,
+        draft_s: float,
+        forward_s: float,
+        stats: dict[str, float] | None = None,
+    ) -> tuple[list[int], StepRecord]:
+        """Accept over ``fwd`` (greedy or lossless sampling), ``commit`` the accepted KV rows, append
+        the new tokens, let the drafter observe and feedback see the outcome; returns (tokens kept,
+        the step's record)."""
+        tb = time.perf_counter()
+        if self.sampling.greedy:
+            res = V.greedy(tree, fwd.logits)
+        else:
+            res = V.sample(tree, fwd.logits.cpu(), self.procs, self.gen)  # CPU generator: CPU logits
+        commit(tree, res.accepted)
+        self.last_accepted = res.accepted
+        new = [tree.tokens[a] for a in res.accepted[1:]] + [res.bonus_token]
+        kept = self._append(new)
+        self.ctx.tokens.extend(new)
+        tc = time.perf_counter()
+        if self.drafter is not None:
+            drafter = self.drafter
+            aux = fwd.aux_hidden[res.accepted] if (fwd.aux_hidden is not None and drafter.needs_aux) else None
+            outcome = StepOutcome(
+                tree=tree,
+                accepted=res.accepted,
+                accepted_tokens=[tree.tokens[a] for a in res.accepted],
+                bonus_token=res.bonus_token,
+                aux_hidden=aux,
+                target_topk=(
+                    torch.topk(fwd.logits, drafter.target_topk, dim=-1).indices if drafter.target_topk else None
+                ),
+            )
+            if self.finished is None:
+                drafter.observe(self.ctx, outcome)
+            if self.feedback is not None:
+                self.feedback(self.ctx, outcome)
+        td = time.perf_counter()
+        rec = _record(tree, res, proposal, len(kept), draft_s + (td - tc), forward_s + (tc - tb), stats)
+        self.steps.append(rec)
+        return kept, rec
 
 
 def _validate_prompt(target: TargetBackend[StateT], prompt_ids: list[int], cfg: EngineConfig) -> None:
@@ -140,29 +282,48 @@ def _validate_prompt(target: TargetBackend[StateT], prompt_ids: list[int], cfg: 
     target.check_fits(len(prompt_ids), cfg.max_new_tokens)
 
 
-def generate_vanilla(target: TargetBackend[StateT], prompt_ids: list[int], cfg: EngineConfig) -> GenerationResult:
-    """Plain autoregressive decoding on ``target`` (one forward per token)."""
+def _run_solo(
+    target: TargetBackend[StateT],
+    drafter: Drafter | None,
+    prompt_ids: list[int],
+    cfg: EngineConfig,
+    feedback: FeedbackSink | None,
+) -> GenerationResult:
+    """One sequence on any :class:`TargetBackend`: the batch-1 case of the shared step logic."""
     _validate_prompt(target, prompt_ids, cfg)
-    sampling = cfg.sampling
-    procs = V.build_processors(sampling)
-    gen = torch.Generator().manual_seed(sampling.seed)
-    t0 = time.perf_counter()
-    state, logits, _ = target.prefill(prompt_ids)
+    stop = target.eos_token_ids if cfg.stop_at_eos else frozenset()
+    seq = _Sequence(list(prompt_ids), cfg.max_new_tokens, cfg.sampling, stop, drafter, feedback)
+    state, logits, prompt_aux = target.prefill(prompt_ids, need_aux=seq.needs_aux)
     try:
-        tok = _choose(logits, sampling, procs, gen)
-        prefill_s = time.perf_counter() - t0
-        out: list[int] = []
-        done = _finish(out, [tok], cfg.max_new_tokens, target.eos_token_ids, cfg.stop_at_eos)
-        while not done:
-            logits = target.decode(state, tok)
-            tok = _choose(logits, sampling, procs, gen)
-            done = _finish(out, [tok], cfg.max_new_tokens, target.eos_token_ids, cfg.stop_at_eos)
+        seq.start(logits, prompt_aux)
+        while seq.finished is None:
+            tree, proposal, draft_s = seq.propose()
+            tb = time.perf_counter()
+            if drafter is None:
+                # A one-node tree's forward is the plain decode step, which already keeps its row.
+                fwd = TreeForward(logits=target.decode(state, tree.root_token).view(1, -1), aux_hidden=None)
+                commit: Callable[[DraftTree, list[int]], None] = _keep_decoded
+            else:
+                fwd = target.verify(state, tree, need_aux=seq.needs_aux)
+                commit = functools.partial(target.commit, state)
+            seq.settle(tree, fwd, commit, proposal, draft_s, time.perf_counter() - tb)
     finally:
         target.release(state)
-    return GenerationResult(tokens=out, wall_s=time.perf_counter() - t0, prefill_s=prefill_s)
+    res = seq.result()
+    if drafter is None:
+        res.steps = []  # vanilla reports no step records (GenerationResult contract)
+    return res
 
 
-FeedbackSink = Callable[[DraftContext, StepOutcome], None]
+def _keep_decoded(tree: DraftTree, accepted: list[int]) -> None:
+    """Commit after a decode step: the root's row is already the only one written."""
+    if accepted != [0]:
+        raise ValueError(f"a decode step can only accept the root, got {accepted}")
+
+
+def generate_vanilla(target: TargetBackend[StateT], prompt_ids: list[int], cfg: EngineConfig) -> GenerationResult:
+    """Plain autoregressive decoding on ``target`` (one forward per token): trees of one token."""
+    return _run_solo(target, None, prompt_ids, cfg, None)
 
 
 def generate_speculative(
@@ -178,60 +339,313 @@ def generate_speculative(
     accept (greedy or lossless sampling), keep only the accepted KV rows, let the drafter
     observe, and hand the same :class:`StepOutcome` to ``feedback`` (online adaptation).
     """
-    _validate_prompt(target, prompt_ids, cfg)
-    sampling = cfg.sampling
-    procs = V.build_processors(sampling)
-    gen = torch.Generator().manual_seed(sampling.seed)
-    eos = target.eos_token_ids
-    t0 = time.perf_counter()
-    state, logits, prompt_aux = target.prefill(prompt_ids, need_aux=drafter.needs_aux)
-    try:
-        tok = _choose(logits, sampling, procs, gen)
-        ctx = DraftContext(tokens=[*prompt_ids, tok], prompt_len=len(prompt_ids))
-        drafter.begin(ctx, prompt_aux)
-        prefill_s = time.perf_counter() - t0
-        out: list[int] = []
-        steps: list[StepRecord] = []
-        done = _finish(out, [tok], cfg.max_new_tokens, eos, cfg.stop_at_eos)
-        while not done:
-            ta = time.perf_counter()
-            proposal = drafter.propose(ctx)
-            tree = proposal.tree
-            tb = time.perf_counter()
-            fwd = target.verify(state, tree, need_aux=drafter.needs_aux)
-            if sampling.greedy:
-                res = V.greedy(tree, fwd.logits)
-            else:
-                res = V.sample(tree, fwd.logits, procs, gen)
-            target.commit(state, tree, res.accepted)
-            new = [tree.tokens[a] for a in res.accepted[1:]] + [res.bonus_token]
-            before = len(out)
-            done = _finish(out, new, cfg.max_new_tokens, eos, cfg.stop_at_eos)
-            ctx.tokens.extend(new)
-            tc = time.perf_counter()
-            outcome = StepOutcome(
-                tree=tree,
-                accepted=res.accepted,
-                accepted_tokens=[tree.tokens[a] for a in res.accepted],
-                bonus_token=res.bonus_token,
-                aux_hidden=fwd.aux_hidden[res.accepted] if fwd.aux_hidden is not None else None,
-                target_topk=(
-                    torch.topk(fwd.logits, drafter.target_topk, dim=-1).indices if drafter.target_topk else None
-                ),
+    return _run_solo(target, drafter, prompt_ids, cfg, feedback)
+
+
+# ---------------------------------------------------------------------------- continuous batching
+class AdmissionError(ValueError):
+    """The request can never fit this engine (prompt + new tokens vs the slot size or context)."""
+
+
+class QueueFullError(RuntimeError):
+    """``BatchConfig.max_waiting`` requests already wait for a slot; retry later."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request for :class:`BatchEngine` (validated on construction).
+
+    Attributes:
+        request_id: unique among queued and live requests.
+        prompt_ids: prompt token ids (at least one).
+        max_new_tokens: tokens to generate at most. Range [1, 65536].
+        sampling: temperature, top-p, top-k and seed of this request (its own generator).
+        stop_token_ids: stop ids on top of the target's EOS (the stop token is kept in the output).
+        stop_at_eos: also stop at the target's EOS id(s).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request.request_id must be a non-empty string, got {self.request_id!r}")
+        ids = list(self.prompt_ids) if isinstance(self.prompt_ids, (list, tuple)) else None
+        if not ids:
+            raise ValueError("request.prompt_ids is empty: at least one token is required")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+        if bad:
+            raise ValueError(f"request.prompt_ids must be non-negative ints, got {bad[0]!r}")
+        object.__setattr__(self, "prompt_ids", ids)
+        mnt = self.max_new_tokens
+        if isinstance(mnt, bool) or not isinstance(mnt, int) or not 1 <= mnt <= 65536:
+            raise ValueError(f"request.max_new_tokens must be an integer in [1, 65536], got {mnt!r}")
+        if not isinstance(self.sampling, SamplingConfig):
+            raise ValueError(f"request.sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
+        stops = frozenset(self.stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
+            raise ValueError(f"request.stop_token_ids must be non-negative ints, got {sorted(stops, key=str)}")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if not isinstance(self.stop_at_eos, bool):
+            raise ValueError(f"request.stop_at_eos must be true or false, got {self.stop_at_eos!r}")
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """What one step did to one sequence.
+
+    Attributes:
+        request_id: the request.
+        new_tokens: tokens appended by this step (may be empty: e.g. an abort).
+        finished: why the sequence ended in this step, or None while it goes on.
+        step: this sequence's verify-step record, None when the step only prefilled or aborted it.
+    """
+
+    request_id: str
+    new_tokens: list[int]
+    finished: FinishReason | None
+    step: StepRecord | None
+
+
+@dataclass
+class _Live:
+    request: Request
+    seq: _Sequence
+    state: SlotState
+    ranks: RankAcceptance
+
+
+class BatchEngine:
+    """Continuous batching: N live sequences, each with its own drafter, sampling and limits,
+    verified together in ONE target forward per step.
+
+    A step (1) admits waiting requests into free KV slots (prefill per sequence, first token),
+    (2) drafts one tree per live sequence (the root alone for vanilla), cut to the sequence's
+    share of the step's tree-token budget and to the rows left in its slot, (3) verifies every
+    tree in one :meth:`~speculation.target.TargetModel.verify_batch` forward, (4) accepts, commits
+    and observes per sequence (the same :class:`_Sequence` logic as the solo loops), and
+    (5) frees the slots of sequences that ended. Requests join and leave only between steps.
+
+    Synchronous and single-threaded: call ``add``/``abort``/``step`` from one thread.
+
+    Args:
+        target: the in-process target (slot KV pool + batched verify).
+        drafter_factory: builds one drafter per request (its own state); None = vanilla.
+        config: slots, slot size and step budget.
+        feedback: optional sink for every sequence's :class:`StepOutcome` (online adaptation).
+        cost_model: c(B, N) for the goodput rule (``config.goodput``); measured on ``target`` at
+            construction when None (:func:`speculation.goodput.measure_batch_cost`).
+
+    With ``config.goodput`` the drafted trees are cut by :func:`speculation.goodput.split_budget`
+    (each sequence's share may be zero drafts); :attr:`last_split` and every step record's
+    ``stats["tree_budget"]`` (tree tokens granted, root included) report the split.
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter_factory: Callable[[], Drafter] | None,
+        config: BatchConfig,
+        feedback: FeedbackSink | None = None,
+        cost_model: BatchCostModel | None = None,
+    ) -> None:
+        self.target = target
+        self.drafter_factory = drafter_factory
+        self.config = config
+        self.feedback = feedback
+        self.pool = target.new_slot_pool(config.max_sequences, config.max_tokens_per_sequence)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._live: dict[str, _Live] = {}
+        self._aborted: list[SequenceUpdate] = []
+        self._retired: dict[str, _Sequence] = {}  # sequences whose final update the last step returned
+        self._aborted_seqs: dict[str, _Sequence] = {}  # aborted since then (reported by the next step)
+        self.steps_run = 0
+        self.last_split: dict[str, int] = {}
+        """Tree tokens (root included) each live sequence verified in the last step."""
+        if config.goodput and drafter_factory is not None and cost_model is None:
+            sizes = sorted({1, *(b for b in (2, 4, 8, 16, 32) if b < config.max_sequences), config.max_sequences})
+            cost_model = measure_batch_cost(target, sizes, context=min(64, config.max_tokens_per_sequence // 2))
+        self.cost_model = cost_model
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: Request) -> None:
+        """Queue ``request``; it joins the batch at a step when a slot is free.
+
+        Raises:
+            ValueError: its id is already queued or live, or a prompt id is outside the vocabulary.
+            AdmissionError: it can never fit (slot size or the model's context).
+            QueueFullError: ``max_waiting`` requests already wait.
+        """
+        rid = request.request_id
+        if rid in self._live or any(r.request_id == rid for r in self._waiting):
+            raise ValueError(f"request_id {rid!r} is already queued or running")
+        vocab = self.target.vocab_size
+        bad = next((t for t in request.prompt_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {rid!r}: prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        need = len(request.prompt_ids) + request.max_new_tokens
+        limit = self.config.max_tokens_per_sequence
+        if need > limit:
+            raise AdmissionError(
+                f"request {rid!r} can never fit: prompt of {len(request.prompt_ids)} tokens + max_new_tokens "
+                f"{request.max_new_tokens} = {need} KV rows, but each slot holds "
+                f"batch.max_tokens_per_sequence={limit}"
             )
-            if not done:
-                drafter.observe(ctx, outcome)
-            td = time.perf_counter()
-            if feedback is not None:
-                feedback(ctx, outcome)
-            steps.append(_record(tree, res, proposal, len(out) - before, (tb - ta) + (td - tc), tc - tb))
-    finally:
-        target.release(state)
-    return GenerationResult(tokens=out, wall_s=time.perf_counter() - t0, prefill_s=prefill_s, steps=steps)
+        try:
+            self.target.check_fits(len(request.prompt_ids), request.max_new_tokens)
+        except ContextLengthError as e:
+            raise AdmissionError(f"request {rid!r} can never fit: {e}") from e
+        if len(self._waiting) >= self.config.max_waiting:
+            raise QueueFullError(
+                f"request {rid!r} refused: batch.max_waiting={self.config.max_waiting} requests already wait"
+            )
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """End ``request_id`` now: a waiting request leaves the queue, a live one frees its slot at
+        once; the next :meth:`step` reports it with :attr:`FinishReason.ABORT`. Unknown or already
+        finished ids are ignored (a client may abort after its last token)."""
+        for r in self._waiting:
+            if r.request_id == request_id:
+                self._waiting.remove(r)
+                self._aborted.append(SequenceUpdate(request_id, [], FinishReason.ABORT, None))
+                return
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        self.target.release_slot(live.state)
+        live.seq.finished = FinishReason.ABORT
+        live.seq.t_end = time.perf_counter()
+        self._aborted_seqs[request_id] = live.seq
+        self._aborted.append(SequenceUpdate(request_id, [], FinishReason.ABORT, None))
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._live or self._aborted)
+
+    def finished_results(self) -> dict[str, GenerationResult]:
+        """Full results (tokens, seconds, step records) of the sequences whose final update the
+        last :meth:`step` returned (aborted ones included)."""
+        return {rid: seq.result() for rid, seq in self._retired.items()}
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[SequenceUpdate]:
+        """Admit waiting requests (prefill), then one batched draft + verify step over all live
+        sequences. Returns one update per sequence that changed."""
+        updates: list[SequenceUpdate] = list(self._aborted)
+        self._aborted = []
+        self._retired, self._aborted_seqs = self._aborted_seqs, {}
+        prefill_tokens: dict[str, list[int]] = {}
+        while self._waiting and self.pool.free:
+            request = self._waiting.popleft()
+            kept = self._admit(request)
+            if request.request_id in self._live:
+                prefill_tokens[request.request_id] = kept
+            else:  # ended on its first token
+                updates.append(SequenceUpdate(request.request_id, kept, self._retired[request.request_id].finished,
+                                              None))
+        if self._live:
+            updates.extend(self._verify_step(prefill_tokens))
+        self.steps_run += 1
+        return updates
+
+    def _admit(self, request: Request) -> list[int]:
+        drafter = self.drafter_factory() if self.drafter_factory is not None else None
+        stop = request.stop_token_ids | (self.target.eos_token_ids if request.stop_at_eos else frozenset())
+        seq = _Sequence(list(request.prompt_ids), request.max_new_tokens, request.sampling, stop, drafter,
+                        self.feedback)
+        state, logits, prompt_aux = self.target.prefill_slot(self.pool, seq.prompt_ids, need_aux=seq.needs_aux)
+        try:
+            kept = seq.start(logits, prompt_aux)
+        except BaseException:
+            self.target.release_slot(state)
+            raise
+        if seq.finished is not None:
+            self.target.release_slot(state)
+            self._retired[request.request_id] = seq
+        else:
+            self._live[request.request_id] = _Live(request, seq, state, RankAcceptance(self.config.max_tree_tokens))
+        return kept
+
+    def _tree_caps(self, lives: list[_Live]) -> list[int]:
+        """Per sequence: the most tree nodes (root included) it may verify this step (without the
+        goodput rule, a step budget is split equally)."""
+        cfg = self.config
+        caps = [min(cfg.max_tree_tokens, self.pool.max_tokens - lv.state.length) for lv in lives]
+        if cfg.step_token_budget is not None and not self._goodput:
+            share = max(1, cfg.step_token_budget // len(lives))
+            caps = [min(c, share) for c in caps]
+        return caps
+
+    @property
+    def _goodput(self) -> bool:
+        return self.config.goodput and self.cost_model is not None
+
+    def _verify_step(self, prefill_tokens: dict[str, list[int]]) -> list[SequenceUpdate]:
+        lives = list(self._live.values())
+        caps = self._tree_caps(lives)
+        proposed = [lv.seq.propose(cap) for lv, cap in zip(lives, caps)]
+        trees = [p[0] for p in proposed]
+        split_stats: dict[str, float] = {}
+        if self._goodput:
+            assert self.cost_model is not None
+            split = split_budget(
+                [lv.ranks.estimate(len(t) - 1) for lv, t in zip(lives, trees)],
+                [len(t) - 1 for t in trees],
+                self.cost_model,
+                budget=self.config.step_token_budget,
+                drafting_s=sum(p[2] for p in proposed),
+            )
+            trees = [t.pruned_to(n) for t, n in zip(trees, split.drafts)]
+            caps = [n + 1 for n in split.drafts]
+            split_stats = {"goodput_expected_tokens": split.expected_tokens,
+                           "goodput_predicted_s": split.predicted_s}
+        self.last_split = {lv.request.request_id: len(t) for lv, t in zip(lives, trees)}
+        need_aux = any(lv.seq.needs_aux for lv in lives)
+        tb = time.perf_counter()
+        fwds = self.target.verify_batch([lv.state for lv in lives], trees, need_aux=need_aux)
+        forward_s = time.perf_counter() - tb
+        stats = {"batch_size": float(len(lives)), "batch_tree_tokens": float(sum(len(t) for t in trees)),
+                 **split_stats}
+        updates = []
+        for lv, cap, tree, (_, proposal, draft_s), fwd in zip(lives, caps, trees, proposed, fwds):
+            commit = functools.partial(self.target.commit_slot, lv.state)
+            kept, rec = lv.seq.settle(tree, fwd, commit, proposal, draft_s, forward_s,
+                                      {**stats, "tree_budget": float(cap)})
+            lv.ranks.observe(tree, lv.seq.last_accepted)
+            rid = lv.request.request_id
+            if lv.seq.finished is not None:
+                self.target.release_slot(lv.state)
+                del self._live[rid]
+                self._retired[rid] = lv.seq
+            updates.append(SequenceUpdate(rid, prefill_tokens.get(rid, []) + kept, lv.seq.finished, rec))
+        return updates
+
+    # ------------------------------------------------------------------ convenience
+    def run(self, requests: list[Request]) -> dict[str, GenerationResult]:
+        """Add every request, step until all are done; results by request id (aborted ones too)."""
+        for r in requests:
+            self.add(r)
+        results: dict[str, GenerationResult] = {}
+        while self.has_work():
+            self.step()
+            results.update(self.finished_results())
+        return results
 
 
-def _record(tree: DraftTree, res: V.VerifyResult, proposal: Proposal, gained: int, draft_s: float,
-            verify_s: float) -> StepRecord:
+def _record(tree: DraftTree, res: V.VerifyResult, proposal: Proposal | None, gained: int, draft_s: float,
+            verify_s: float, extra_stats: dict[str, float] | None = None) -> StepRecord:
     acc_src: dict[str, int] = {}
     for a in res.accepted[1:]:
         name = NodeSource(tree.sources[a]).name.lower()
@@ -247,9 +661,9 @@ def _record(tree: DraftTree, res: V.VerifyResult, proposal: Proposal, gained: in
         tokens_gained=gained,
         drafting_s=draft_s,
         verify_s=verify_s,
-        drafter_forwards=proposal.drafter_forwards,
+        drafter_forwards=proposal.drafter_forwards if proposal is not None else 0,
         tree_depth=tree.max_depth(),
         accepted_by_source=acc_src,
         drafted_by_source=dr_src,
-        stats=dict(proposal.stats),
+        stats={**(dict(proposal.stats) if proposal is not None else {}), **(extra_stats or {})},
     )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from speculation.kv_slots import KVSlotPool
 from speculation.tree import DraftTree
 
 
@@ -45,6 +46,28 @@ class TargetState:
     length: int = 0
     tokens: list[int] = field(default_factory=list)
     """Token ids held in the KV cache (the committed text minus the pending root)."""
+
+
+@dataclass
+class SlotState:
+    """A sequence in a :class:`~speculation.kv_slots.KVSlotPool` slot (continuous batching).
+
+    Attributes:
+        pool: the pool that holds its KV rows.
+        slot: its slot index, or None once released.
+        length: valid KV rows (committed tokens minus the pending root; + tree rows until commit).
+        tokens: token ids held in those rows.
+    """
+
+    pool: KVSlotPool
+    slot: int | None
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+    def held_slot(self) -> int:
+        if self.slot is None:
+            raise ReleasedSequenceError("this sequence was released: its KV slot is gone (prefill a new one)")
+        return self.slot
 
 
 @dataclass(frozen=True)
@@ -193,9 +216,81 @@ class TargetModel:
         """Drop the sequence's KV cache (idempotent); any later call on ``state`` raises."""
         state.cache = None
 
-    def _aux(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """``[T, 3H]``: concat of the three auxiliary hidden states of batch row 0."""
-        return torch.cat([hidden_states[i][0] for i in self.aux_layers], dim=-1)
+    def _aux(self, hidden_states: tuple[torch.Tensor, ...], row: int = 0) -> torch.Tensor:
+        """``[T, 3H]``: concat of the three auxiliary hidden states of batch row ``row``."""
+        return torch.cat([hidden_states[i][row] for i in self.aux_layers], dim=-1)
+
+    # ------------------------------------------------------------------ continuous batching (slots)
+    def new_slot_pool(self, max_sequences: int, max_tokens: int) -> KVSlotPool:
+        """A KV pool of ``max_sequences`` slots of ``max_tokens`` rows for this model."""
+        return KVSlotPool(self.num_layers, max_sequences, max_tokens)
+
+    @torch.inference_mode()
+    def prefill_slot(
+        self, pool: KVSlotPool, ids: list[int], need_aux: bool = False
+    ) -> tuple[SlotState, torch.Tensor, torch.Tensor | None]:
+        """:meth:`prefill` (the same forward as a solo sequence), its rows copied into a free slot of
+        ``pool``. Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
+        solo, logits, aux = self.prefill(ids, need_aux=need_aux)
+        slot = pool.acquire()
+        try:
+            n = pool.load_prefix(slot, _cache(solo).layers)
+        except BaseException:
+            pool.release(slot)
+            raise
+        self.release(solo)
+        return SlotState(pool=pool, slot=slot, length=n, tokens=list(ids)), logits, aux
+
+    @torch.inference_mode()
+    def verify_batch(
+        self, states: list[SlotState], trees: list[DraftTree], need_aux: bool = False
+    ) -> list[TreeForward]:
+        """ONE forward over every tree of every sequence (per-row masks and positions).
+
+        Row b verifies ``trees[b]`` after the ``n_b`` valid rows of its slot; node i sees exactly
+        its slot's committed rows and its own path (see :func:`batch_tree_attention_inputs`), so its
+        logits equal a solo :meth:`verify` of that tree up to floating-point summation order.
+        The tree rows are provisional until :meth:`commit_slot`.
+        """
+        if len(states) != len(trees) or not states:
+            raise ValueError("verify_batch needs one tree per state, at least one")
+        pool = states[0].pool
+        if any(s.pool is not pool for s in states):
+            raise ValueError("all states of one batch must live in the same KV pool")
+        slots = [s.held_slot() for s in states]
+        bases = [s.length for s in states]
+        sizes = [len(t) for t in trees]
+        cache = pool.batch_cache(slots, bases, sizes)
+        tts = [t.to_tensors() for t in trees]
+        input_ids, mask, positions = batch_tree_attention_inputs(tts, bases, cache.plan.kv_len, self.device)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=need_aux,
+        )
+        fwds = []
+        for b, (state, t) in enumerate(zip(states, sizes)):
+            aux = self._aux(out.hidden_states, b)[:t] if need_aux else None
+            fwds.append(TreeForward(logits=out.logits[b, :t], aux_hidden=aux))
+            state.length += t  # provisional: commit_slot() cuts back to the accepted path
+        return fwds
+
+    @torch.inference_mode()
+    def commit_slot(self, state: SlotState, tree: DraftTree, accepted: list[int]) -> None:
+        """Keep only the accepted path's rows (root first) after a :meth:`verify_batch` of ``tree``."""
+        base = state.length - len(tree)
+        state.pool.compact(state.held_slot(), base, accepted)
+        state.length = base + len(accepted)
+        state.tokens.extend(tree.tokens[a] for a in accepted)
+
+    def release_slot(self, state: SlotState) -> None:
+        """Give the sequence's slot back to its pool (idempotent)."""
+        if state.slot is not None:
+            state.pool.release(state.slot)
+            state.slot = None
 
 
 def _cache(state: TargetState) -> DynamicCache:
@@ -237,6 +332,37 @@ def tree_attention_inputs(
     mask[0, 0, :, past_len:] = ancestor_mask.to(device=device, dtype=torch.bool)
     positions = (depths.to(device=device, dtype=torch.long) + past_len).view(1, T)  # [1, T]
     return mask, positions
+
+
+def batch_tree_attention_inputs(
+    trees: list, past_lens: list[int], kv_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, 4D mask and positions of one batched tree forward over per-row KV lengths.
+
+    Row b has ``n_b = past_lens[b]`` valid KV rows and a tree of ``T_b`` nodes (``trees[b]``, a
+    :class:`~speculation.tree.TreeTensors`) written at ``n_b .. n_b + T_b``; ``T = max T_b``::
+
+        ids[b, i]          = token_i (i < T_b), 0 for padding               # [B, T] int64
+        M[b, 0, i, :]      = [1]*n_b ++ A_b[i] ++ [0]*(kv_len - n_b - T_b)  # [B, 1, T, kv_len] bool
+        M[b, 0, i, :]      = [1] ++ [0]*(kv_len - 1)     for padding i >= T_b (any finite row)
+        position[b, i]     = n_b + d_b[i]  (n_b + i for padding)            # [B, T] int64
+
+    Padding queries read row 0 of their own slot only, so they stay finite and touch nobody.
+    """
+    B = len(trees)
+    T = max(int(t.tokens.shape[0]) for t in trees)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, 1, T, kv_len, dtype=torch.bool)
+    positions = torch.arange(T, dtype=torch.long).repeat(B, 1)
+    for b, (tt, n) in enumerate(zip(trees, past_lens)):
+        tb = int(tt.tokens.shape[0])
+        ids[b, :tb] = tt.tokens
+        mask[b, 0, :tb, :n] = True
+        mask[b, 0, :tb, n : n + tb] = tt.ancestor_mask
+        mask[b, 0, tb:, 0] = True
+        positions[b, :tb] = tt.depths
+        positions[b] += n
+    return ids.to(device), mask.to(device), positions.to(device)
 
 
 def causal_positions(past_len: int, length: int, device: torch.device) -> torch.Tensor:

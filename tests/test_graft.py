@@ -9,6 +9,7 @@ K levels per forward); the sampling-distribution test lives with the other draft
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -24,11 +25,21 @@ from speculation.config import (
     SamplingConfig,
     to_dict,
 )
-from speculation.cost import VerifyCostModel
+from speculation.cost import VerifyCostModel, measure_cost_model
 from speculation.drafters import build_drafter, resolve_methods
 from speculation.drafters.base import DraftContext, StepOutcome
 from speculation.drafters.eagle3 import Eagle3Drafter
-from speculation.drafters.graft import TREE_BUILDERS, GraftDrafter, RankAcceptance, build_graft_drafter, graft
+from speculation.drafters.graft import (
+    TREE_BUILDERS,
+    DrafterGate,
+    GateVerdict,
+    GraftDrafter,
+    GraftSource,
+    RankAcceptance,
+    build_graft_drafter,
+    graft,
+    graft_anchored,
+)
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import SpecBlockDrafter
 from speculation.engine import generate_speculative, generate_vanilla
@@ -120,8 +131,9 @@ def test_graft_invariants_on_random_trees(seed, room):
         {"stages": [0]},  # retrieval only
         {"stages": [1]},  # one drafter level, every step
         {"stages": [1, 3], "threshold": 1.0},  # always stopped at the first stage
-        {"stages": [0, 2, 4], "threshold": 0.0, "retrieval_confidence": 1024.0},  # never stopped: dense
-        {"stages": [0, 1, 3], "retrieval_confidence": 0.0},  # always retrieval only
+        {"stages": [2, 4], "threshold": 0.0},  # never stopped: dense
+        {"stages": [0, 1, 3], "gate_warmup": 0},  # no evidence the drafter pays: always retrieval only
+        {"stages": [0, 1, 3], "graft_anchors": 0},  # root-anchored grafts only
         {"stages": [0, 2, 4], "graft_budget": 0},  # pruned only
         {"dense_budget": 0, "stages": [0, 2, 4]},  # K_max from c(T)
         {"dense_budget": 12, "stage_budgets": [0, 3, 11], "stages": [0, 1, 4]},
@@ -129,7 +141,7 @@ def test_graft_invariants_on_random_trees(seed, room):
         {"tree_drafter": SPECBLOCK},  # stages (0, 2, 4)
         {"tree_drafter": SPECBLOCK, "stages": [2]},  # one block, every step
         {"tree_drafter": SPECBLOCK, "stages": [2, 6], "threshold": 1.0},  # always stopped after block 1
-        {"tree_drafter": SPECBLOCK, "stages": [0, 2, 6], "threshold": 0.0, "retrieval_confidence": 1024.0},
+        {"tree_drafter": SPECBLOCK, "stages": [2, 6], "threshold": 0.0},
         {"tree_drafter": {**SPECBLOCK, "rank_head": False, "top_k": 3}, "stages": [0, 2, 4], "graft_budget": 0},
         {"tree_drafter": SPECBLOCK, "dense_budget": 0},  # K_max from c(T)
         {"tree_drafter": SPECBLOCK, "dense_budget": 12, "stage_budgets": [0, 3, 11], "stages": [0, 2, 4]},
@@ -174,15 +186,20 @@ def test_stage_decisions_follow_the_threshold_and_count_forwards():
     assert all(p.drafter_forwards >= 4 and _drafter_depth(p.tree) <= 5 for p in dense)
     assert max(_drafter_depth(p.tree) for p in dense) > 2
     assert sum(p.drafter_forwards for p in stopped) < sum(p.drafter_forwards for p in dense)
-    only = run(stages=[0, 5], retrieval_confidence=0.0)
+    only = run(stages=[0, 5], gate_warmup=0)
     assert all(p.stats["stage"] == 0.0 and p.drafter_forwards == 0 for p in only)
     assert all(set(p.tree.sources[1:]) <= {NodeSource.RETRIEVAL} for p in only)
-    mixed = run(stages=[0, 1, 5], threshold=0.5, retrieval_confidence=2.0)
+    mixed = run(stages=[0, 1, 5], threshold=0.5)
     assert all(("beam_mass" in p.stats) == (p.stats["stage"] > 0) for p in mixed)
     for p in mixed:
-        if p.stats["stage"] == 0:
-            assert p.stats["retrieval_expected"] >= 2.0
-        elif p.stats["stage"] == 1:
+        if p.stats["stage"] == 0:  # the gate said no, and why: the value did not exceed the cost
+            assert p.stats["gate_call"] == 0.0 and p.stats["gate_verdict"] == GateVerdict.DOES_NOT_PAY
+            assert p.stats["gate_value_s"] <= p.stats["gate_cost_s"]
+            continue
+        assert p.stats["gate_verdict"] in (GateVerdict.WARMUP, GateVerdict.PAYS)
+        if p.stats["gate_verdict"] == GateVerdict.PAYS:
+            assert p.stats["gate_value_s"] > p.stats["gate_cost_s"]
+        if p.stats["stage"] == 1:
             assert p.stats["beam_mass"] < 0.5
         else:
             assert p.stats["beam_mass"] >= 0.5
@@ -204,13 +221,43 @@ def test_adjacency_table_updates_from_verification():
         assert table[tok].tolist() == topk[last].tolist()
 
 
+def _ranks(rates: list[float], n: int = 400) -> RankAcceptance:
+    """A posterior fed ``n`` verifications of each rank, accepted at ``rates[r]``."""
+    ranks = RankAcceptance(len(rates), decay=1.0)
+    for i in range(n):
+        ranks.update([(r, (i + 0.5) / n < p) for r, p in enumerate(rates)])
+    return ranks
+
+
+def test_rank_acceptance_is_a_beta_posterior_over_verified_ranks_only():
+    ranks = RankAcceptance(4, decay=1.0)
+    assert ranks.rates == [0.5, 0.5, 0.5, 0.5]  # uniform prior, no evidence yet
+    for _ in range(8):
+        ranks.update([(0, True), (1, False)])  # ranks 2 and 3 were not in the tree
+    assert ranks.rates[0] == pytest.approx(9 / 10) and ranks.rates[1] == pytest.approx(1 / 10)
+    assert ranks.verified[2:] == [0.0, 0.0]  # not in the tree: no failure recorded
+    assert ranks.rates[2:] == [pytest.approx(1 / 10)] * 2  # never rated above an earlier rank
+    drifting = RankAcceptance(1, decay=0.9)
+    for _ in range(100):
+        drifting.update([(0, False)])
+    for _ in range(30):
+        drifting.update([(0, True)])
+    assert drifting.rates[0] > 0.8  # discounted: recent evidence dominates (undiscounted: 31/132)
+
+
 def test_auto_dense_budget_maximises_expected_tokens_per_second():
-    ranks = RankAcceptance(8)
-    ranks.rates = [0.9, 0.8, 0.5, 0.1, 0.05, 0.01, 0.0, 0.0]
+    ranks = _ranks([0.9, 0.8, 0.5, 0.1, 0.05, 0.01, 0.0, 0.0])
     flat = VerifyCostModel((1, 128), (1.0, 1.0))
     steep = VerifyCostModel((1, 2, 128), (1.0, 10.0, 1000.0))
-    assert ranks.best_size(flat, cap=9) == 7  # every positive rate pays when verifying is free
+    assert ranks.best_size(flat, cap=9) == 9  # every positive rate pays when verifying is free
     assert ranks.best_size(steep, cap=9) == 2  # nothing pays: the smallest tree
+    linear = VerifyCostModel((1, 128), (1.0, 1.0 + 127 * 0.05))
+    free_draft = ranks.best_size(linear, cap=9)
+    # a long drafting time d makes every verified token relatively cheaper: K_max grows with d
+    assert ranks.best_size(linear, cap=9, drafting_s=10.0) > free_draft
+    # c(T, L): at a long context the same tree costs more per node, so K_max shrinks
+    grid = VerifyCostModel((1, 128), (1.0, 1.0), contexts=(64, 4096), grid=((1.0, 1.0), (1.0, 1.0 + 127 * 0.5)))
+    assert ranks.best_size(grid, cap=9, context=64) == 9 > ranks.best_size(grid, cap=9, context=4096)
     target = _target()
     d = _drafter(target, dense_budget=0)
     assert d.cost_model is not None  # measured by build_drafter
@@ -250,14 +297,19 @@ def test_graft_needs_a_drafter_that_can_stop_early():
         GraftDrafter(cfg, None, retrieval)
 
 
-def test_auto_dense_budget_without_a_cost_model_is_a_clear_error():
+def test_a_missing_cost_model_is_measured_by_the_builder_or_a_clear_error():
     cfg = GraftConfig(**TINY, dense_budget=0)
-    assert cfg.verify_curve_size() == GraftConfig.AUTO_MAX and GraftConfig(**TINY).verify_curve_size() == 0
-    with pytest.raises(ConfigError, match=r"graft.dense_budget = 0 \(auto\) needs the measured verify curve"):
-        build_graft_drafter(cfg, _target(), None)
+    assert cfg.verify_curve_size() == GraftConfig.AUTO_MAX
+    assert GraftConfig(**TINY).verify_curve_size() == 48  # the gate prices nodes by c(T) up to K_max
+    assert GraftConfig(**TINY, stages=(1, 5)).verify_curve_size() == 0  # no stage 0: no gate, fixed K_max
+    built = build_graft_drafter(cfg, _target(), None)  # measures c(T, L) on the target itself
+    assert built.cost_model is not None and built.cost_model.contexts and built.cost_model.sizes[-1] == 128
     retrieval = RetrievalDrafter(cfg.retrieval(), VOCAB)
-    with pytest.raises(ConfigError, match="graft.dense_budget"):
+    with pytest.raises(ConfigError, match=r"graft.dense_budget = 0 \(auto\) needs the measured verify curve"):
         GraftDrafter(GraftConfig(stages=(0,), dense_budget=0), None, retrieval, None)
+    drafter = built.drafter
+    with pytest.raises(ConfigError, match=r"graft.stages \[0, 1, 5\] \(stage 0: the drafter gate\) needs"):
+        GraftDrafter(GraftConfig(**TINY), drafter, retrieval, None)
 
 
 def test_the_cost_model_reaches_graft_and_its_retrieval_source_only_when_needed():
@@ -266,7 +318,9 @@ def test_the_cost_model_reaches_graft_and_its_retrieval_source_only_when_needed(
     auto = build_graft_drafter(GraftConfig(**TINY, dense_budget=0), target, curve)
     assert auto.cost_model is curve and auto.dense_budget() == auto.ranks.best_size(curve, GraftConfig.AUTO_MAX)
     assert auto.retrieval.cost_model is None  # its own cost cut stays off: the hybrid tree is sized by Graft
-    fixed = build_graft_drafter(GraftConfig(**TINY, dense_budget=20), target, curve)
+    gated = build_graft_drafter(GraftConfig(**TINY, dense_budget=20), target, curve)
+    assert gated.cost_model is curve and gated.dense_budget() == 20
+    fixed = build_graft_drafter(GraftConfig(**TINY, stages=(1, 5), dense_budget=20), target, curve)
     assert fixed.cost_model is None and fixed.dense_budget() == 20
 
 
@@ -330,3 +384,155 @@ def test_bad_config_is_a_clear_error(kw, message):
     with pytest.raises(ConfigError) as err:
         resolve_methods(["graft"], {"graft": kw})
     assert message in str(err.value)
+
+
+# ---------------------------------------------------------------------- anchored grafts and the gate
+class StagedOracle:
+    """A :class:`StagedDrafter` that knows each prompt's vanilla greedy output (computed up front, so
+    drafting costs microseconds): one level per call, a single chain, each level's token the
+    reference's next token shifted by ``shift`` (0 = a perfect drafter; 1 = never accepted under
+    greedy). Draft scores are log 0.9 per level, so the beam mass stays confident."""
+
+    name = "staged-oracle"
+    needs_aux = False
+    target_topk = 0
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], shift: int = 0) -> None:
+        self.refs, self.shift = refs, shift
+
+    def begin(self, ctx, prompt_aux) -> None:
+        pass
+
+    def observe(self, ctx, outcome) -> None:
+        pass
+
+    def propose(self, ctx):
+        raise NotImplementedError("Graft calls draft()")
+
+    def draft(self, ctx, budget, stop=None):
+        ref = self.refs[tuple(ctx.tokens[: ctx.prompt_len])]
+        pos = len(ctx.tokens) - ctx.prompt_len
+        tree, node, levels = DraftTree(ctx.root_token), ROOT, 0
+        while True:
+            tok = ref[pos + levels] if pos + levels < len(ref) else 0
+            levels += 1
+            node = tree.add(node, (tok + self.shift) % VOCAB, levels * math.log(0.9), NodeSource.DRAFTER)
+            if stop is not None and stop(levels, torch.tensor([levels * math.log(0.9)])):
+                break
+        keep = budget(levels) if callable(budget) else budget
+        return tree.pruned_to(keep), levels, levels
+
+
+def _oracle_graft(target, shift: int, prompts, **kw) -> GraftDrafter:
+    refs = {tuple(p): generate_vanilla(target, p, GREEDY).tokens for p in prompts}
+    cfg = GraftConfig(**TINY, **kw)
+    retrieval = RetrievalDrafter(cfg.retrieval(), VOCAB)
+    cost = measure_cost_model(target, max_size=cfg.verify_curve_size()) if cfg.verify_curve_size() else None
+    return GraftDrafter(cfg, StagedOracle(refs, shift), retrieval, cost)
+
+
+def test_anchored_retrieval_grafts_a_continuation_under_a_drafter_node_that_root_retrieval_cannot():
+    """Context ``1 2 3 4 5 9``: after the root 9 nothing was ever seen, so root-anchored retrieval
+    proposes nothing; the drafter's kept leaf 1 has a known continuation ``2 3 4 5``."""
+    cfg = GraftConfig(**TINY, transition_topk=0)
+    retrieval = RetrievalDrafter(cfg.retrieval(), VOCAB)
+    ctx = DraftContext(tokens=[1, 2, 3, 4, 5, 9], prompt_len=6)
+    retrieval.begin(ctx)
+    root_only = retrieval.propose(ctx).tree
+    assert len(root_only) == 1
+    pruned = _tree(9, [[1], [6]], NodeSource.DRAFTER)
+    leaf = pruned.child(ROOT, 1)
+    below = retrieval.continuations(ctx.tokens, [1], budget=8)
+    assert below.root_token == 1 and below.path_tokens(len(below) - 1)[:5] == [1, 2, 3, 4, 5]
+    assert graft(pruned.subtree(range(len(pruned))), root_only, room=8) == 0
+    origin = graft_anchored(pruned, [GraftSource(ROOT, root_only), GraftSource(leaf, below, math.log(0.5))], room=3)
+    assert set(origin.values()) == {leaf} and len(origin) == 3  # room respected
+    deepest = max(origin, key=lambda n: pruned.depths[n])
+    assert pruned.path_tokens(deepest) == [9, 1, 2, 3, 4] and pruned.sources[leaf] == NodeSource.DRAFTER
+    # scores: the anchor's calibrated log probability plus the continuation's
+    assert pruned.scores[deepest] == pytest.approx(math.log(0.5) + below.scores[below.child(below.child(below.child(ROOT, 2), 3), 4)])
+
+
+def test_grafting_the_freed_slots_raises_acceptance_over_pruning_alone():
+    """Graft's central claim on the tiny model: the same pruned EAGLE-3 trees (one level, 4 nodes,
+    no stage 0) accept more tokens per step when retrieved tokens fill the freed slots."""
+    target = _target()
+
+    def tau(**kw) -> float:
+        d = _drafter(target, stages=[1], stage_budgets=[4], dense_budget=16, **kw)
+        gained = steps = 0
+        for prompt in PROMPTS:
+            res = generate_speculative(target, d, prompt, GREEDY)
+            assert res.tokens == generate_vanilla(target, prompt, GREEDY).tokens
+            gained += sum(s.tokens_gained for s in res.steps)
+            steps += len(res.steps)
+        return gained / steps
+
+    pruned, grafted = tau(graft_budget=0), tau(graft_budget=11)
+    assert grafted > 1.2 * pruned, (pruned, grafted)
+
+
+def test_anchored_grafts_are_accepted_beyond_pruned_leaves():
+    """A perfect one-level drafter (stages [1]: every kept drafter node is a pruned leaf at depth
+    1): retrieved continuations anchored under those leaves are accepted, and they raise tau over
+    root-anchored grafting alone."""
+    target = _target()
+
+    def run(anchors: int) -> tuple[float, GraftDrafter]:
+        d = _oracle_graft(target, 0, PROMPTS, stages=(1,), stage_budgets=(1,), dense_budget=12, graft_anchors=anchors)
+        gained = steps = 0
+        for prompt in PROMPTS:
+            res = generate_speculative(target, d, prompt, GREEDY)
+            assert res.tokens == generate_vanilla(target, prompt, GREEDY).tokens
+            gained += sum(s.tokens_gained for s in res.steps)
+            steps += len(res.steps)
+        return gained / steps, d
+
+    tau_root, root_only = run(0)
+    tau_anchored, anchored = run(4)
+    assert root_only.counters["grafted_anchored"] == 0 == root_only.counters["accepted_anchored_graft"]
+    assert anchored.counters["accepted_anchored_graft"] > 0
+    assert tau_anchored >= tau_root, (tau_root, tau_anchored)
+
+
+def test_gate_stops_calling_a_drafter_that_is_never_accepted():
+    target = _target()
+    d = RecordingDrafter(_oracle_graft(target, 1, PROMPTS, stages=(0, 2, 5), gate_warmup=2))
+    for prompt in PROMPTS:
+        assert generate_speculative(target, d, prompt, GREEDY).tokens == generate_vanilla(target, prompt, GREEDY).tokens
+    called = [p for p in d.proposals if p.drafter_forwards > 0]
+    assert called and all(p.stats["gate_verdict"] == GateVerdict.WARMUP for p in called)  # only while warming up
+    assert len(called) <= 2 * (len(DrafterGate.EDGES) + 1)
+    skipped = [p for p in d.proposals if p.drafter_forwards == 0]
+    assert all(p.stats["stage"] == 0.0 and p.stats["gate_verdict"] == GateVerdict.DOES_NOT_PAY for p in skipped)
+    assert len(skipped) > 2 * len(called), (len(skipped), len(called))
+    assert all(d.inner.gate.gain(b) <= 0.0 for b, n in enumerate(d.inner.gate.count) if n)
+
+
+def test_gate_always_calls_a_perfect_drafter():
+    """Retrieval proposes at most 2 nodes here, so a perfect 5-level drafter always adds tokens."""
+    target = _target()
+    d = RecordingDrafter(_oracle_graft(target, 0, PROMPTS, stages=(0, 2, 5), threshold=0.0, gate_warmup=2,
+                                       retrieval_budget=2))
+    for prompt in PROMPTS:
+        assert generate_speculative(target, d, prompt, GREEDY).tokens == generate_vanilla(target, prompt, GREEDY).tokens
+    assert all(p.stats["gate_call"] == 1.0 and p.drafter_forwards > 0 for p in d.proposals)
+    assert any(p.stats["gate_verdict"] == GateVerdict.PAYS for p in d.proposals)
+    for p in d.proposals:
+        if p.stats["gate_verdict"] == GateVerdict.PAYS:
+            assert p.stats["gate_value_s"] > p.stats["gate_cost_s"] > 0.0
+    report = d.inner.report()
+    assert report["drafting_s_by_stage"] and report["drafting_s_expected"] > 0.0
+    assert report["counters"]["drafter_calls"] == len(d.proposals)
+
+
+def test_cost_model_interpolates_over_context_length_and_is_measured_per_context():
+    grid = VerifyCostModel((1, 9), (1.0, 2.0), contexts=(100, 300), grid=((1.0, 2.0), (3.0, 6.0)))
+    assert grid.cost(5) == pytest.approx(1.5)  # the 1-D curve
+    assert grid.cost(5, 100) == pytest.approx(1.5) and grid.cost(5, 300) == pytest.approx(4.5)
+    assert grid.cost(5, 200) == pytest.approx(3.0) and grid.cost(5, 10_000) == pytest.approx(4.5)  # flat beyond
+    with pytest.raises(ValueError, match="grid must be"):
+        VerifyCostModel((1, 9), (1.0, 2.0), contexts=(100,), grid=((1.0,),))
+    measured = measure_cost_model(_target(), max_size=4, repeats=1, contexts=(16, 64))
+    assert measured.contexts == (16, 64) and measured.sizes == (1, 2, 4)
+    assert all(s > 0 for row in measured.grid for s in row)

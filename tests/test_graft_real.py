@@ -1,8 +1,9 @@
 """Graft on real SmolLM2-135M weights: fp32 greedy output equals vanilla token for token.
 
 Eight Spec-Bench questions (``spec_bench_refs``: one per category, first turn, 64 new tokens),
-with (a) stages (0, 1, 5) over the committed EAGLE-3 checkpoint, thresholds set so that every
-stage occurs (retrieval only, pruned at depth 1 plus grafts, dense depth 5 plus grafts), (b) the
+with (a) stages (0, 1, 5) over the committed EAGLE-3 checkpoint, the threshold and the drafter
+gate's warm-up set so that every stage occurs (retrieval only when the gate finds the drafter does
+not pay, pruned at depth 1 plus grafts, dense depth 5 plus grafts), (b) the
 built-in ``graft_specblock`` method over the committed SpecBlock checkpoint, stages (0, 4, 8):
 retrieval only, pruned after block 1, dense after block 2, each with grafts, and (c) "retrieval
 only" on every step (stages = [0]). Runtime: about 2 minutes on 2 CPU cores.
@@ -27,7 +28,7 @@ def _stages_seen(drafter: RecordingDrafter, stages: tuple[int, ...]) -> dict[int
 
 
 def test_every_stage_is_lossless_on_spec_bench(smol_fp32, spec_bench_refs):
-    cfg = GraftConfig(stages=(0, 1, 5), threshold=0.4, retrieval_confidence=2.0, dense_budget=32)
+    cfg = GraftConfig(stages=(0, 1, 5), threshold=0.4, gate_warmup=3, dense_budget=32)
     drafter = RecordingDrafter(build_graft_drafter(cfg, smol_fp32))
     tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
     seen = _stages_seen(drafter, cfg.stages)
@@ -39,7 +40,7 @@ def test_every_stage_is_lossless_on_spec_bench(smol_fp32, spec_bench_refs):
 def test_graft_over_specblock_is_lossless_on_spec_bench(smol_fp32, spec_bench_refs):
     """The built-in method ``graft_specblock`` (no --config needed), sized like the EAGLE-3 case."""
     spec = resolve_methods(["graft_specblock"], {"graft_specblock": {
-        "threshold": 0.4, "retrieval_confidence": 2.0, "dense_budget": 32}})[0]
+        "threshold": 0.4, "gate_warmup": 3, "dense_budget": 32}})[0]
     assert spec.config.stages == (0, 4, 8) and spec.config.tree_type == "specblock"
     drafter = RecordingDrafter(build_drafter(spec, smol_fp32))
     assert isinstance(drafter.inner.drafter, SpecBlockDrafter)

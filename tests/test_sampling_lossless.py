@@ -36,6 +36,7 @@ Runtime: about 15 s per loop (N = 2000) on 2 CPU cores, about 60 s for the modul
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -56,6 +57,7 @@ from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import build_specblock_drafter
 from speculation.engine import generate_speculative, generate_vanilla
+from speculation.cost import VerifyCostModel
 from speculation.drafters.graft import build_graft_drafter
 from speculation.tree import ROOT, DraftTree
 from tests.helpers import RandomTreeDrafter, RecordingDrafter, full_logits, shared_tiny_llama, tiny_target
@@ -220,23 +222,45 @@ def _eagle3_drafter(target):
     return build_eagle3_drafter(cfg, target)
 
 
+GRAFT_CURVE = VerifyCostModel((1, 16, 128), (1.0, 2.5, 13.7))
+"""A fixed c(T) (seconds, 0.1 s per node) for the Graft loops: the drafter gate and the automatic K_max
+then decide from the observed acceptance (seeded, so reproducible), not from this host's timing noise
+(the measured drafting time d, ~1 ms here, is negligible against it)."""
+GRAFT_EAGLE3 = {"type": "eagle3", "top_k": 3, "checkpoint": "random", "draft_vocab_size": VOCAB}
+GRAFT_SPECBLOCK = {"type": "specblock", "checkpoint": "random", "draft_vocab_size": VOCAB, "block_size": 2, "beam": 3,
+                   "slot_widths": (2, 2, 3, 0), "adaptive_widths": False}
+
+
 def _graft_drafter(target):
-    """Graft over a random EAGLE-3 head, with settings that mix all three stages (0, 1, 3) and
-    leave free slots to graft into (checked by test_graft_settings_mix_every_stage_and_graft)."""
-    cfg = GraftConfig(tree_drafter={"type": "eagle3", "top_k": 3, "checkpoint": "random", "draft_vocab_size": VOCAB},
-                      stages=(0, 1, 3), threshold=0.8, retrieval_confidence=2.0, dense_budget=10, graft_budget=4,
-                      stage_budgets=(0, 3, 7))
-    return build_graft_drafter(cfg, target)
+    """Graft over a random EAGLE-3 head, with settings that mix all three stages (0 by the drafter
+    gate, 1, 3) and leave free slots to graft into, at the root and under anchors (checked by
+    test_graft_settings_mix_every_stage_and_graft)."""
+    cfg = GraftConfig(tree_drafter=GRAFT_EAGLE3, stages=(0, 1, 3), threshold=0.8, dense_budget=10, graft_budget=4,
+                      stage_budgets=(0, 3, 7), gate_warmup=2)
+    return build_graft_drafter(cfg, target, GRAFT_CURVE)
 
 
 def _graft_specblock_drafter(target):
     """Graft over a random SpecBlock head (K = 2, rank head on, give-up stops chains): stage 0, one
     block, two blocks, with free slots to graft into."""
-    tree = {"type": "specblock", "checkpoint": "random", "draft_vocab_size": VOCAB, "block_size": 2, "beam": 3,
-            "slot_widths": (2, 2, 3, 0), "adaptive_widths": False}
-    cfg = GraftConfig(tree_drafter=tree, stages=(0, 2, 4), threshold=1.0, retrieval_confidence=2.0, dense_budget=10,
-                      graft_budget=4, stage_budgets=(0, 4, 7))
-    return build_graft_drafter(cfg, target)
+    cfg = GraftConfig(tree_drafter=GRAFT_SPECBLOCK, stages=(0, 2, 4), threshold=1.0, dense_budget=10,
+                      graft_budget=4, stage_budgets=(0, 4, 7), gate_warmup=2)
+    return build_graft_drafter(cfg, target, GRAFT_CURVE)
+
+
+def _graft_auto_drafter(target):
+    """Graft over a random EAGLE-3 head with ``dense_budget: 0``: K_max chosen every step from c(T),
+    the rank posterior and the measured drafting time."""
+    cfg = GraftConfig(tree_drafter=GRAFT_EAGLE3, stages=(0, 1, 3), threshold=0.8, dense_budget=0, graft_budget=4,
+                      gate_warmup=2)
+    return build_graft_drafter(cfg, target, GRAFT_CURVE)
+
+
+def _graft_specblock_auto_drafter(target):
+    """Graft over a random SpecBlock head with ``dense_budget: 0``."""
+    cfg = GraftConfig(tree_drafter=GRAFT_SPECBLOCK, stages=(0, 2, 4), threshold=1.0, dense_budget=0, graft_budget=4,
+                      gate_warmup=2)
+    return build_graft_drafter(cfg, target, GRAFT_CURVE)
 
 
 def _specblock_drafter(target):
@@ -254,7 +278,10 @@ DRAFTERS = {
     "graft": _graft_drafter,
     "specblock": _specblock_drafter,
     "graft_specblock": _graft_specblock_drafter,
+    "graft_auto": _graft_auto_drafter,
+    "graft_specblock_auto": _graft_specblock_auto_drafter,
 }
+GRAFT_LOOPS = ["graft", "graft_specblock", "graft_auto", "graft_specblock_auto"]
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
@@ -274,16 +301,66 @@ def test_speculative_sampling_is_lossless(name):
     assert sum(accepted) > N // 4, f"{name}: drafts were (almost) never accepted: the test exercised nothing"
 
 
-@pytest.mark.parametrize("name", ["graft", "graft_specblock"])
+@pytest.mark.parametrize("name", GRAFT_LOOPS)
 def test_graft_settings_mix_every_stage_and_graft(name):
-    """The Graft loops above test what they claim: every stage occurs and retrieved nodes are grafted."""
+    """The Graft loops above test what they claim: every stage occurs (counted), retrieved nodes are
+    grafted at the root and under drafter anchors, and an automatic K_max varies."""
     target = tiny_target(_model())
     drafter = RecordingDrafter(DRAFTERS[name](target))
     for seed in range(40):
         generate_speculative(target, drafter, PROMPT, engine_cfg(seed))
-    stages = {p.stats["stage"] for p in drafter.proposals}
-    assert stages == {float(s) for s in drafter.inner.config.stages}, stages
+    counts = Counter(p.stats["stage"] for p in drafter.proposals)
+    assert set(counts) == {float(s) for s in drafter.inner.config.stages}, counts
+    assert all(n >= 2 for n in counts.values()), counts
     assert any(p.stats["grafted"] > 0 for p in drafter.proposals)
+    assert drafter.inner.counters["grafted_anchored"] > 0  # under drafter nodes, not only at the root
+    if drafter.inner.config.dense_budget == 0:
+        assert len({p.stats["k_max"] for p in drafter.proposals}) > 1
+
+
+SAMPLING_TOP_K = SamplingConfig(temperature=0.9, top_k=4)
+
+
+@functools.lru_cache(maxsize=1)
+def exact_distribution_top_k() -> dict[tuple[int, ...], float]:
+    """``p*`` under :data:`SAMPLING_TOP_K` (temperature + top-k, no top-p), by exhaustive enumeration."""
+    procs = V.build_processors(SAMPLING_TOP_K)
+    model = _model()
+    dist: dict[tuple[int, ...], float] = {}
+
+    def expand(seq: list[int], prob: float) -> None:
+        if len(seq) == len(PROMPT) + K:
+            dist[tuple(seq[len(PROMPT):])] = prob
+            return
+        p = V.target_probs(full_logits(model, seq)[-1:], procs)[0].double()
+        for tok in range(VOCAB):
+            if p[tok] > 0:
+                expand(seq + [tok], prob * float(p[tok]))
+
+    expand(list(PROMPT), 1.0)
+    return dist
+
+
+@pytest.mark.parametrize("name", ["graft_auto", "graft_specblock_auto"])
+def test_graft_top_k_sampling_is_lossless(name):
+    """Top-k sampling (the loops above use temperature + top-p): Graft's samples follow p*."""
+    dist = exact_distribution_top_k()
+    assert len({s[0] for s in dist}) <= 4 and len(dist) <= 4**K  # top-k really truncates
+    target = tiny_target(_model())
+    drafter = DRAFTERS[name](target)
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(N):
+        cfg = EngineConfig(max_new_tokens=K, stop_at_eos=False, sampling=dataclasses.replace(SAMPLING_TOP_K, seed=seed))
+        res = generate_speculative(target, drafter, PROMPT, cfg)
+        accepted += sum(s.accepted for s in res.steps)
+        counts[tuple(res.tokens)] += 1
+    outside = {c: k for c, k in counts.items() if c not in dist}
+    assert not outside, f"sampled continuations top-k gives probability 0: {outside}"
+    stat, df, p = chi_square_gof(counts, dist, N)
+    print(f"{name} top-k: X^2={stat:.1f}, df={df}, p={p:.3g}, accepted={accepted}")
+    assert p >= ALPHA, f"{name} top-k: X^2={stat:.1f}, df={df}, p={p:.2e}"
+    assert accepted > N // 4, f"{name}: drafts were (almost) never accepted under top-k"
 
 
 def _broken_sample(tree: DraftTree, logits: torch.Tensor, processors, generator: torch.Generator) -> V.VerifyResult:

@@ -12,6 +12,7 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -202,3 +203,121 @@ def _lossless(summary: dict, cfg: BenchConfig) -> bool | float | None:
         return None
     return True if rate == 1.0 else rate
 
+
+
+# ---------------------------------------------------------------------------- --concurrency
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    return float(torch.quantile(torch.tensor(xs, dtype=torch.float64), q))
+
+
+def run_concurrency(
+    cfg: BenchConfig,
+    target: TargetModel,
+    questions: list[assets.Question],
+    levels: list[int],
+    method_configs: dict | None = None,
+    goodput: bool = False,
+) -> dict:
+    """Closed-loop clients over :class:`~speculation.engine.BatchEngine`, per concurrency N and method.
+
+    N clients each send one first turn, and send the next prompt of the dataset as soon as their
+    request ends (the engine admits it at the next step), until every prompt is answered. Per N and
+    method: ``tokens_per_s`` (all output tokens / wall seconds), ``request_tokens_per_s`` (mean of
+    each request's tokens / its seconds from add to finish), TTFT and inter-token latency p50/p99
+    (a step that emits k tokens counts k gaps of its duration / k), ``tau`` (mean tokens gained per
+    verify step), ``speedup`` (÷ batched vanilla at the same N) and ``lossless`` (greedy: every
+    request equals its solo vanilla output; else the match rate; None when sampling), plus the
+    mean tree tokens granted per sequence step (the budget split). On CUDA, timestamps are taken
+    after ``torch.cuda.synchronize``.
+    """
+    from speculation.config import BatchConfig, SamplingConfig
+    from speculation.engine import BatchEngine, Request
+
+    names = list(cfg.methods)
+    if BASELINE not in names:
+        names.insert(0, BASELINE)
+    specs = resolve_methods(names, method_configs)
+    tok = target.tokenizer
+    prompts = [assets.encode_turn(tok, [], q.turns[0]) for q in questions]
+    engine_cfg = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling)
+    refs = [generate_vanilla(target, p, engine_cfg).tokens for p in prompts] if cfg.sampling.greedy else None
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    slot_len = max(len(p) for p in prompts) + cfg.max_new_tokens + 1
+    out: dict[str, Any] = {}
+    for n in levels:
+        methods: dict[str, dict] = {}
+        for spec in specs:
+            factory = None if spec.type == DrafterType.VANILLA else (lambda spec=spec: build_drafter(spec, target))
+            engine = BatchEngine(target, factory, BatchConfig(max_sequences=n, max_tokens_per_sequence=slot_len,
+                                                              goodput=goodput))
+            added: dict[str, float] = {}
+            last: dict[str, float] = {}
+            ttft: list[float] = []
+            itl: list[float] = []
+            req_rates: list[float] = []
+            tokens: dict[str, list[int]] = {}
+            steps = []
+            nxt = 0
+
+            def send(now: float) -> None:
+                nonlocal nxt
+                i = nxt
+                nxt += 1
+                s = cfg.sampling
+                sampling = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed + i)
+                engine.add(Request(f"q{i}", prompts[i], cfg.max_new_tokens, sampling))
+                added[f"q{i}"] = now
+                tokens[f"q{i}"] = []
+
+            sync()
+            t0 = time.perf_counter()
+            while nxt < min(n, len(prompts)):
+                send(t0)
+            while engine.has_work():
+                ups = engine.step()
+                sync()
+                now = time.perf_counter()
+                for u in ups:
+                    if u.new_tokens:
+                        if not tokens[u.request_id]:
+                            ttft.append(now - added[u.request_id])
+                        else:
+                            gap = (now - last[u.request_id]) / len(u.new_tokens)
+                            itl.extend([gap] * len(u.new_tokens))
+                        last[u.request_id] = now
+                        tokens[u.request_id].extend(u.new_tokens)
+                    if u.step is not None:
+                        steps.append(u.step)
+                    if u.finished is not None:
+                        req_rates.append(len(tokens[u.request_id]) / max(now - added[u.request_id], 1e-9))
+                        if nxt < len(prompts):
+                            send(now)
+            wall = time.perf_counter() - t0
+            total = sum(len(v) for v in tokens.values())
+            spec_steps = [s for s in steps if s.tree_size > 0]
+            m = {
+                "tokens_per_s": total / wall,
+                "request_tokens_per_s": sum(req_rates) / len(req_rates),
+                "ttft_p50_s": _percentile(ttft, 0.5),
+                "ttft_p99_s": _percentile(ttft, 0.99),
+                "itl_p50_s": _percentile(itl, 0.5),
+                "itl_p99_s": _percentile(itl, 0.99),
+                "tau": sum(s.tokens_gained for s in spec_steps) / len(spec_steps) if spec_steps else None,
+                "mean_tree_tokens_per_seq_step": (sum(s.tree_size for s in spec_steps) / len(spec_steps)
+                                                  if spec_steps else None),
+                "steps": engine.steps_run,
+                "wall_s": wall,
+            }
+            if refs is None:
+                m["lossless"] = None
+            else:
+                matches = [tokens[f"q{i}"] == refs[i] for i in range(len(prompts))]
+                m["lossless"] = True if all(matches) else sum(matches) / len(matches)
+            methods[spec.name] = m
+        base = methods[BASELINE]["tokens_per_s"]
+        for m in methods.values():
+            m["speedup"] = m["tokens_per_s"] / base
+        out[str(n)] = {"methods": methods}
+    return out

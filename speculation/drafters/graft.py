@@ -1,47 +1,61 @@
 """Graft (arXiv 2605.20104): dynamic-depth pruning of a drafter tree, then grafting of retrieved
 tokens into the freed slots, verified in one tree pass (ALGORITHMS.md sections 0, 5, 6).
 
-Per decode step, with K_max the dense tree size (root included) and stages s_1 < ... < s_m:
+Per decode step, with K_max the dense tree size (root included), L the committed context length
+and stages s_1 < ... < s_m:
 
-1. **Retrieve.** The retrieval source (suffix index over prompt + history, and the token-adjacency
-   table M refreshed from every verification) proposes a best-first tree R whose node scores are
-   calibrated log path probabilities, so ``E_R = sum_{i in R} p_i`` is its expected accepted length.
-2. **Stage 0.** If 0 is a stage and ``E_R >= retrieval_confidence``, the drafter is not run this
-   step (no forward at all): the verified tree is R cut to K_max - 1 nodes.
-3. **Prune.** Otherwise the tree drafter (any :class:`~speculation.drafters.base.StagedDrafter`:
-   EAGLE-3 adds one level per forward, SpecBlock a block of K levels) grows its tree. At each stage
-   depth s < s_m it computes the path mass of its open leaves ``C_s = sum_{b in open} exp(S_b)``
-   (EAGLE-3's beam, SpecBlock's pending leaves; S = cumulative draft log-prob) and stops if
-   ``C_s < threshold``. The pool drafted so far is reranked to the node budget N_s of the stage
-   it stopped at (the smallest stage >= the levels drafted, should the drafter run out of open
-   leaves first): the pruned tree T_pi. Stopping early saves drafter forwards and tree slots.
-4. **Graft.** ``F = K_max - |T_pi|`` slots are free; up to ``min(F, graft_budget)`` nodes of R
-   are attached best-first by retrieval score, starting at the root: an R node whose token equals
-   an existing child is merged into it (the walk descends through drafter nodes that agree with
-   the retrieved continuation), any other is hung under the node whose path matches its retrieved
-   context. Source tags are kept (drafter / retrieval), so |T_g| <= K_max always.
-5. **Verify** T_g in one target pass (greedy or lossless sampling, unchanged), then both sources
-   observe the result: the drafter appends the accepted aux features, the retrieval source
-   updates its index and recycles the target's top-k at every verified node into M.
+1. **Retrieve at the root.** The retrieval source (suffix index over prompt + history, and the
+   token-adjacency table M refreshed from every verification) proposes a best-first tree R whose
+   node scores are calibrated log path probabilities, so ``E_R = sum_{i in R} p_i`` is its expected
+   accepted length. R cut to K_max tokens is the *retrieval-only* tree.
+2. **Gate** (when 0 is a stage). Calling the drafter pays when its expected marginal accepted
+   tokens G (over the retrieval-only tree), priced by the per-token time of the retrieval-only
+   step, exceed what it adds to the step time::
 
-Dense-budget sizing (``dense_budget: 0``): the drafter's acceptance by score rank ``a_r`` (an
-exponential moving average over verified steps) and the measured verify curve c(T) give the
-expected tokens per second of a dense tree of size T, ``(1 + sum_{r < T-1} a_r) / c(T)``; K_max is
-the T that maximises it (the paper's B.3 condition as a rule), recomputed every step.
+       G * (c(|R|, L) + d_R) / (1 + E_R)  >  d + c(|T_g|, L) - c(|R|, L)
+
+   which is the paper's B.3 condition ``(A_R + G) / (c_g + d_R + d) > A_R / (c_R + d_R)`` solved for
+   G. G is the measured mean of ``accepted(T_g) - accepted_along_truth(R)`` over past drafter calls
+   in the same E_R bucket (:class:`DrafterGate`), d the measured drafter time per call
+   (:class:`StageTiming`), |T_g| the measured mean hybrid size. Until a bucket has ``gate_warmup``
+   observations the drafter is called. When the gate says no, the retrieval-only tree is verified
+   (stage 0, no drafter forward). Every verdict and its terms go into ``Proposal.stats``.
+3. **Prune.** The tree drafter (any :class:`~speculation.drafters.base.StagedDrafter`: EAGLE-3 adds
+   one level per forward, SpecBlock a block of K levels) grows its tree. At each stage depth
+   s < s_m it computes the path mass of its open leaves ``C_s = sum_{b in open} exp(S_b)`` and stops
+   if ``C_s < threshold``. The pool is reranked to the node budget N_s of the stage it stopped at:
+   the pruned tree T_pi.
+4. **Graft.** ``F = K_max - |T_pi|`` slots are free (at most ``graft_budget`` are used). Candidate
+   sources: R anchored at the root (offset log 1), and, for each of the ``graft_anchors`` kept
+   drafter nodes v of highest path mass (leaves of T_pi, the pruned frontier, or inner nodes),
+   retrieval on ``context + path(v)`` (suffix index matched through the path, transition table
+   from v's token) anchored under v with offset ``log a_rank(v)``, the calibrated probability that
+   v is accepted. Every candidate's score is then a calibrated log path probability from the root,
+   and all sources are attached together best-first (:func:`graft_anchored`): a candidate equal to
+   an existing child is merged into it, any other takes a free slot. |T_g| <= K_max always.
+5. **Verify** T_g in one target pass (greedy or lossless sampling, unchanged: every candidate is
+   fixed before the uniforms are drawn), then both sources observe the result, and Graft updates
+   the rank posterior, the gate's gain estimate, and the acceptance attribution by anchor.
+
+K_max (``dense_budget: 0``): ``K_max = argmax_K (1 + sum_{r < K-1} a_r) / (c(K, L) + d)`` with a_r the
+Beta-posterior acceptance of the drafter node of score rank r (:class:`RankAcceptance`), c the
+measured c(T, L) at the current context length and d the measured drafting time; recomputed every
+step.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from speculation.config import ConfigError, GraftConfig
-from speculation.cost import VerifyCostModel
+from speculation.cost import VerifyCostModel, measure_cost_model
 from speculation.drafters.base import DraftContext, Proposal, StagedDrafter, StepOutcome
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
@@ -57,8 +71,12 @@ TREE_BUILDERS: dict[str, Callable[[Any, Any, VerifyCostModel | None], StagedDraf
 
 @dataclass(frozen=True)
 class StageTemplate:
-    """What is fixed per (stage, K_max) and precomputed once: the drafter node budget N_s and the
-    graft capacity ``min(graft_budget, K_max - 1 - N_s)``."""
+    """The node budgets of one (stage, K_max), computed once and cached: the drafter node budget
+    N_s and the graft capacity ``min(graft_budget, K_max - 1 - N_s)``.
+
+    This is budget arithmetic only. The verify pass builds each tree's positions and ancestor mask
+    from the tree itself (``DraftTree.to_tensors``); no per-stage verify template is precomputed.
+    """
 
     stage: int
     k_max: int
@@ -67,43 +85,225 @@ class StageTemplate:
 
 
 class RankAcceptance:
-    """``a_r``: EMA of P(the drafter node of score rank r is on the accepted path).
+    """``a_r``: P(the drafter node of score rank r is on the accepted path), a Beta posterior.
 
-    Only ranks that were verified are updated. Prior ``a_r = 0.6 / (1 + r)``.
+    Rank r keeps discounted counts (s_r accepted, n_r verified; both multiplied by ``decay`` before
+    each new observation of that rank, so the estimate tracks drift over ~1/(1-decay) steps) and the
+    posterior mean under a uniform Beta(1, 1) prior is ``(s_r + 1) / (n_r + 2)``. Only ranks that
+    were in the verified tree are observed: a rank the tree did not contain is no evidence either
+    way. Scores rank nodes best-first, so acceptance cannot rise with rank; the reported rates are
+    the running minimum of the posterior means (an unverified rank is never rated above the ranks
+    before it). Ranks at or beyond the most drafter nodes one call ever produced
+    (:meth:`observe_capacity`) are 0: such a node does not exist, so it cannot be accepted.
     """
 
-    def __init__(self, size: int, decay: float = 0.98) -> None:
-        self.rates = [0.6 / (1.0 + r) for r in range(size)]
+    def __init__(self, size: int, decay: float = 0.995) -> None:
+        self.accepted = [0.0] * size
+        self.verified = [0.0] * size
         self.decay = decay
+        self.capacity = 0
+        """Most drafter nodes one call produced so far (0 = none observed yet: every rank may exist)."""
+
+    @property
+    def rates(self) -> list[float]:
+        out, cap = [], 1.0
+        for r, (s, n) in enumerate(zip(self.accepted, self.verified)):
+            cap = 0.0 if self.capacity and r >= self.capacity else min(cap, (s + 1.0) / (n + 2.0))
+            out.append(cap)
+        return out
+
+    def observe_capacity(self, drafter_nodes: int) -> None:
+        """Record that one drafter call produced ``drafter_nodes`` nodes."""
+        self.capacity = max(self.capacity, drafter_nodes)
 
     def update(self, ranked: list[tuple[int, bool]]) -> None:
-        """``ranked``: (rank, accepted?) of every verified drafter node."""
+        """``ranked``: (rank, accepted?) of every drafter node of the verified tree."""
         for r, ok in ranked:
-            if r < len(self.rates):
-                self.rates[r] = self.decay * self.rates[r] + (1.0 - self.decay) * float(ok)
+            if r < len(self.verified):
+                self.accepted[r] = self.decay * self.accepted[r] + float(ok)
+                self.verified[r] = self.decay * self.verified[r] + 1.0
 
-    def best_size(self, cost_model: VerifyCostModel, cap: int) -> int:
-        """argmax_T (1 + sum_{r < T-1} a_r) / c(T) over T in [2, cap]."""
-        return max(2, 1 + cost_model.best_prefix(self.rates[: cap - 1]))
+    def best_size(self, cost_model: VerifyCostModel, cap: int, drafting_s: float = 0.0,
+                  context: int | None = None) -> int:
+        """``argmax_T (1 + sum_{r < T-1} a_r) / (c(T, context) + drafting_s)`` over T in [2, cap]."""
+        return max(2, 1 + cost_model.best_prefix(self.rates[: cap - 1], drafting_s, context))
+
+
+class StageTiming:
+    """Measured drafting time d: an EMA of the wall seconds of one drafter call (drafting, anchored
+    retrieval and grafting) per stage it stopped at, and the calls' stage frequencies (discounted
+    counts), so ``expected() = sum_s w_s d_s / sum_s w_s`` is the d of the next call."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.seconds: dict[int, float] = {}
+        self.weight: dict[int, float] = {}
+
+    def update(self, stage: int, seconds: float) -> None:
+        prev = self.seconds.get(stage)
+        self.seconds[stage] = seconds if prev is None else self.decay * prev + (1.0 - self.decay) * seconds
+        for s in self.weight:
+            self.weight[s] *= self.decay
+        self.weight[stage] = self.weight.get(stage, 0.0) + 1.0
+
+    def expected(self) -> float:
+        total = sum(self.weight.values())
+        return sum(self.weight[s] * self.seconds[s] for s in self.weight) / total if total else 0.0
+
+
+class GateVerdict(enum.IntEnum):
+    """Why the drafter was (not) called this step."""
+
+    NO_STAGE_0 = 0  # 0 is not a stage: the drafter runs every step
+    WARMUP = 1  # fewer than gate_warmup observations in this bucket: called to measure
+    PAYS = 2  # expected marginal value > drafting + extra verify cost
+    DOES_NOT_PAY = 3  # retrieval-only this step
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """One step's gate verdict and its terms (seconds and tokens)."""
+
+    verdict: GateVerdict
+    bucket: int
+    expected_gain: float  # G: expected marginal accepted tokens of calling the drafter
+    per_token_s: float  # (c(|R|, L) + d_R) / (1 + E_R)
+    value_s: float  # G * per_token_s
+    cost_s: float  # d + c(|T_g|, L) - c(|R|, L)
+
+    @property
+    def call(self) -> bool:
+        return self.verdict != GateVerdict.DOES_NOT_PAY
+
+
+class DrafterGate:
+    """Per-bucket estimate of the drafter's marginal accepted tokens over the retrieval-only tree.
+
+    Buckets are ranges of the retrieval tree's expected accepted length E_R (:data:`EDGES`): the
+    drafter adds least when retrieval is already confident. Each bucket keeps a discounted mean of
+    the observed gains ``accepted(T_g) - accepted_along_truth(R)`` (R's accepted length along the
+    target's emitted tokens: exact under greedy, the emitted-token proxy under sampling) and the
+    number of observations; fewer than ``warmup`` observations force a call.
+    """
+
+    EDGES = (0.5, 1.0, 2.0, 4.0)
+
+    def __init__(self, warmup: int, decay: float = 0.98) -> None:
+        self.warmup = warmup
+        self.decay = decay
+        n = len(self.EDGES) + 1
+        self.gain_sum = [0.0] * n
+        self.weight = [0.0] * n
+        self.count = [0] * n
+
+    def bucket(self, retrieval_expected: float) -> int:
+        return sum(retrieval_expected >= e for e in self.EDGES)
+
+    def gain(self, bucket: int) -> float:
+        w = self.weight[bucket]
+        return self.gain_sum[bucket] / w if w else 0.0
+
+    def decide(self, retrieval_expected: float, per_token_s: float, cost_s: float) -> GateDecision:
+        b = self.bucket(retrieval_expected)
+        g = self.gain(b)
+        value = g * per_token_s
+        if self.count[b] < self.warmup:
+            verdict = GateVerdict.WARMUP
+        else:
+            verdict = GateVerdict.PAYS if value > cost_s else GateVerdict.DOES_NOT_PAY
+        return GateDecision(verdict, b, g, per_token_s, value, cost_s)
+
+    def update(self, bucket: int, gain: float) -> None:
+        self.gain_sum[bucket] = self.decay * self.gain_sum[bucket] + gain
+        self.weight[bucket] = self.decay * self.weight[bucket] + 1.0
+        self.count[bucket] += 1
+
+
+@dataclass(frozen=True)
+class GraftSource:
+    """Retrieved candidates hung under one anchor of the draft tree.
+
+    Attributes:
+        anchor: the node of the draft tree the candidates continue (ROOT = root-anchored).
+        candidates: a tree rooted at the anchor's token; node scores are calibrated log path
+            probabilities given the anchor.
+        offset: the anchor's own calibrated log probability (0 at the root), added to every score.
+    """
+
+    anchor: int
+    candidates: DraftTree
+    offset: float = 0.0
+
+
+def graft_anchored(tree: DraftTree, sources: Sequence[GraftSource], room: int) -> dict[int, int]:
+    """Graft every source's candidates into ``tree``, in place, best-first across sources.
+
+    Candidates are visited by decreasing ``score + offset`` (a stable order: within a source a
+    parent never scores below its child and comes first). A candidate whose parent was placed and
+    whose token equals an existing child there is merged into it (the existing node keeps its
+    source tag and score); otherwise it is added as a new ``RETRIEVAL`` node while fewer than
+    ``room`` new nodes exist. Siblings stay unique, parents stay before children, and ``len(tree)``
+    grows by at most ``room``. Returns ``{new node: anchor}`` of the grafted nodes.
+    """
+    if room <= 0:
+        return {}
+    for src in sources:
+        if src.candidates.root_token != tree.tokens[src.anchor]:
+            raise ValueError(f"retrieved tree is rooted at token {src.candidates.root_token}, "
+                             f"its anchor {src.anchor} holds {tree.tokens[src.anchor]}")
+    order = sorted(((-(src.candidates.scores[j] + src.offset), i, j)
+                    for i, src in enumerate(sources) for j in range(1, len(src.candidates))))
+    placed = [[-1] * len(src.candidates) for src in sources]
+    for i, src in enumerate(sources):
+        placed[i][ROOT] = src.anchor
+    origin: dict[int, int] = {}
+    for neg, i, j in order:
+        cand = sources[i].candidates
+        parent = placed[i][cand.parents[j]]
+        if parent < 0:
+            continue
+        existing = tree.child(parent, cand.tokens[j])
+        if existing is not None:
+            placed[i][j] = existing
+            continue
+        if len(origin) >= room:
+            continue
+        node = tree.add(parent, cand.tokens[j], -neg, NodeSource.RETRIEVAL)
+        placed[i][j] = node
+        origin[node] = sources[i].anchor
+    return origin
 
 
 def graft(pruned: DraftTree, retrieved: DraftTree, room: int) -> int:
-    """Graft ``retrieved`` (a tree rooted at the same root token) into ``pruned``, in place.
-
-    Retrieved nodes are visited in their own order (best-first by retrieval score, parents
-    first). A node whose parent was placed and whose token equals an existing child of that
-    parent is merged into it (it keeps its source tag); otherwise it is added under that parent
-    as a new ``RETRIEVAL`` node, while fewer than ``room`` new nodes exist. So every grafted node
-    hangs under the node whose root path equals its retrieved context, siblings stay unique, and
-    ``len(pruned)`` grows by at most ``room``. Returns the number of nodes grafted.
-    """
-    if room <= 0 or len(retrieved) <= 1:
+    """Root-anchored grafting: ``retrieved`` (rooted at the same root token) into ``pruned``, in
+    place, by :func:`graft_anchored` with one source. Returns the number of nodes grafted."""
+    if len(retrieved) <= 1:
         return 0
     if retrieved.root_token != pruned.root_token:
         raise ValueError(f"retrieved tree is rooted at token {retrieved.root_token}, the draft at {pruned.root_token}")
-    before = len(pruned)
-    pruned.attach(ROOT, retrieved, max_new_nodes=room)
-    return len(pruned) - before
+    return len(graft_anchored(pruned, [GraftSource(ROOT, retrieved)], room))
+
+
+def accepted_along(tree: DraftTree, truth: Sequence[int]) -> int:
+    """How many of ``truth`` (the emitted tokens after the root) ``tree`` holds as a root path."""
+    cur, n = ROOT, 0
+    for tok in truth:
+        nxt = tree.child(cur, tok)
+        if nxt is None:
+            break
+        cur, n = nxt, n + 1
+    return n
+
+
+@dataclass
+class _Step:
+    """What ``observe`` needs from the matching ``propose``."""
+
+    tree: DraftTree  # the proposed tree (node indices below refer to it)
+    retrieval_only: DraftTree
+    decision: GateDecision | None
+    ranked: list[tuple[int, int]]  # (tree node, score rank) of drafter nodes
+    origin: dict[int, int]  # grafted node -> anchor
 
 
 class GraftDrafter:
@@ -114,8 +314,8 @@ class GraftDrafter:
         drafter: any :class:`~speculation.drafters.base.StagedDrafter` (EAGLE-3, SpecBlock); None
             when the only stage is 0 (retrieval only).
         retrieval: the retrieval source (its own cost cut disabled; the hybrid tree is sized here).
-        cost_model: the target's measured verify curve c(T); required when ``dense_budget`` is 0
-            (K_max is then chosen from it every step).
+        cost_model: the target's measured verify curve c(T, L); required when
+            ``config.verify_curve_size()`` is non-zero (``dense_budget`` 0, or the drafter gate).
     """
 
     name = "graft"
@@ -128,17 +328,26 @@ class GraftDrafter:
         if drafter is not None and not isinstance(drafter, StagedDrafter):
             raise TypeError(f"graft needs a drafter that can stop early (StagedDrafter.draft); {drafter.name!r} cannot")
         if config.verify_curve_size() and cost_model is None:
-            raise ConfigError("graft.dense_budget = 0 (auto) needs the measured verify curve c(T): build the drafter "
-                              "with speculation.drafters.build_drafter (it measures c(T)), or set graft.dense_budget")
+            need = ("graft.dense_budget = 0 (auto)" if config.dense_budget == GraftConfig.AUTO
+                    else f"graft.stages {list(config.stages)} (stage 0: the drafter gate)")
+            raise ConfigError(f"{need} needs the measured verify curve c(T): build the drafter with "
+                              "speculation.drafters.build_drafter (it measures c(T)), or pass cost_model")
         self.config = config
         self.drafter = drafter
         self.retrieval = retrieval
         self.target_topk = retrieval.target_topk
         self.cost_model = cost_model if config.verify_curve_size() else None
-        """The measured c(T) K_max is chosen from (``dense_budget`` 0), else None."""
+        """The measured c(T, L) (K_max sizing and the gate), else None."""
         self.ranks = RankAcceptance(GraftConfig.AUTO_MAX)
+        self.timing = StageTiming()
+        self.gate = DrafterGate(config.gate_warmup)
+        self.hybrid_size: float | None = None
+        """EMA of |T_g| over drafter calls (the gate's estimate of the size a call verifies)."""
+        self.counters = {"steps": 0, "drafter_calls": 0, "grafted_root": 0, "grafted_anchored": 0,
+                         "accepted_drafter": 0, "accepted_root_graft": 0, "accepted_anchored_graft": 0}
+        """Cumulative counts: steps, calls, grafted nodes and accepted nodes by origin."""
         self._templates: dict[tuple[int, int], StageTemplate] = {}
-        self._ranked_nodes: list[tuple[int, int]] = []  # (tree node, score rank) of drafter nodes
+        self._step: _Step | None = None
         self._checks = {s for s in config.stages if 0 < s < config.max_stage}
 
     # ------------------------------------------------------------------ protocol
@@ -146,25 +355,49 @@ class GraftDrafter:
         self.retrieval.begin(ctx, prompt_aux)
         if self.drafter is not None:
             self.drafter.begin(ctx, prompt_aux)
+        self._step = None
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
-        accepted = set(outcome.accepted)
-        self.ranks.update([(r, node in accepted) for node, r in self._ranked_nodes])
+        step = self._step
+        if step is not None and outcome.tree is step.tree:  # (an engine that cut the tree renumbered it)
+            accepted = set(outcome.accepted)
+            self.ranks.update([(r, node in accepted) for node, r in step.ranked])
+            tree = outcome.tree
+            for node in outcome.accepted[1:]:
+                if tree.sources[node] == NodeSource.DRAFTER:
+                    self.counters["accepted_drafter"] += 1
+                elif node in step.origin:
+                    key = "accepted_root_graft" if step.origin[node] == ROOT else "accepted_anchored_graft"
+                    self.counters[key] += 1
+        if step is not None and step.decision is not None and step.decision.verdict in (GateVerdict.WARMUP,
+                                                                                        GateVerdict.PAYS):
+            truth = [*outcome.accepted_tokens[1:], outcome.bonus_token]
+            gain = (len(outcome.accepted) - 1) - accepted_along(step.retrieval_only, truth)
+            self.gate.update(step.decision.bucket, float(gain))
+        self._step = None
         self.retrieval.observe(ctx, outcome)
         if self.drafter is not None:
             self.drafter.observe(ctx, outcome)
 
     def propose(self, ctx: DraftContext) -> Proposal:
         cfg = self.config
-        k_max = self.dense_budget()
+        context = len(ctx.tokens)
+        k_max = self.dense_budget(context)
+        t0 = time.perf_counter()
         retrieved = self.retrieval.propose(ctx).tree  # best-first, scores = log calibrated p
-        expected = sum(math.exp(s) for s in retrieved.scores[1:])
-        self._ranked_nodes = []
-        if self.drafter is None or (cfg.stages[0] == 0 and expected >= cfg.retrieval_confidence):
-            t0 = time.perf_counter()
-            tree = retrieved if len(retrieved) <= k_max else retrieved.subtree(range(k_max))
-            return self._proposal(tree, 0, 0, k_max, 0, time.perf_counter() - t0, expected, None)
+        alone = retrieved if len(retrieved) <= k_max else retrieved.subtree(range(k_max))
+        retrieval_s = time.perf_counter() - t0
+        expected = sum(math.exp(s) for s in alone.scores[1:])
+        self.counters["steps"] += 1
+        decision = self._decide(len(alone), expected, retrieval_s, k_max, context)
+        stats: dict[str, float] = {"k_max": float(k_max), "retrieval_expected": expected,
+                                   "retrieval_s": retrieval_s}
+        stats.update(self._gate_stats(decision))
+        if self.drafter is None or not decision.call:
+            self._step = _Step(alone, alone, decision, [], {})
+            return self._proposal(alone, 0, 0, stats)
 
+        self.counters["drafter_calls"] += 1
         confidence: list[float] = []
 
         def stop(levels: int, beam_scores: torch.Tensor) -> bool:
@@ -176,18 +409,62 @@ class GraftDrafter:
             confidence.append(mass)
             return mass < cfg.threshold
 
+        t1 = time.perf_counter()
         tree, forwards, levels = self.drafter.draft(
             ctx, lambda lv: self.template(self.stage_of(lv), k_max).drafter_nodes, stop
         )
-        t0 = time.perf_counter()
         stage = self.stage_of(levels)
         tmpl = self.template(stage, k_max)
         order = sorted(range(1, len(tree)), key=lambda i: -tree.scores[i])
-        self._ranked_nodes = [(node, r) for r, node in enumerate(order)]
-        grafted = graft(tree, retrieved, min(tmpl.graft_capacity, k_max - len(tree)))
-        assembly = time.perf_counter() - t0
-        return self._proposal(tree, stage, forwards, k_max, grafted, assembly, expected,
-                              confidence[-1] if confidence else None)
+        ranked = [(node, r) for r, node in enumerate(order)]
+        self.ranks.observe_capacity(len(order))
+        room = min(tmpl.graft_capacity, k_max - len(tree))
+        t2 = time.perf_counter()
+        origin = graft_anchored(tree, self._sources(ctx, tree, retrieved, ranked, room), room)
+        t3 = time.perf_counter()
+        drafting_s, assembly_s = t3 - t1, t3 - t2
+        self.timing.update(stage, drafting_s)
+        n = float(len(tree))
+        self.hybrid_size = n if self.hybrid_size is None else 0.9 * self.hybrid_size + 0.1 * n
+        anchored = sum(1 for a in origin.values() if a != ROOT)
+        self.counters["grafted_anchored"] += anchored
+        self.counters["grafted_root"] += len(origin) - anchored
+        self._step = _Step(tree, alone, decision, ranked, origin)
+        stats.update({"drafting_s": drafting_s, "assembly_s": assembly_s, "grafted": float(len(origin)),
+                      "grafted_anchored": float(anchored)})
+        if confidence:
+            stats["beam_mass"] = confidence[-1]
+        return self._proposal(tree, stage, forwards, stats)
+
+    # ------------------------------------------------------------------ the gate and the grafts
+    def _decide(self, alone_size: int, expected: float, retrieval_s: float, k_max: int, context: int) -> GateDecision:
+        """The drafter gate's verdict for this step (module docstring, step 2)."""
+        if not self.config.gated or self.cost_model is None:
+            return GateDecision(GateVerdict.NO_STAGE_0, 0, 0.0, 0.0, 0.0, 0.0)
+        c = self.cost_model
+        c_alone = c.cost(alone_size, context)
+        per_token = (c_alone + retrieval_s) / (1.0 + expected)
+        size = min(float(k_max), self.hybrid_size if self.hybrid_size is not None else float(k_max))
+        extra_verify = max(0.0, c.cost(max(1, round(size)), context) - c_alone)
+        return self.gate.decide(expected, per_token, self.timing.expected() + extra_verify)
+
+    def _sources(self, ctx: DraftContext, tree: DraftTree, retrieved: DraftTree,
+                 ranked: list[tuple[int, int]], room: int) -> list[GraftSource]:
+        """The root-anchored retrieval tree plus one anchored retrieval per kept drafter node of
+        highest path mass (at most ``graft_anchors``), each offset by its calibrated log a_rank."""
+        sources = [GraftSource(ROOT, retrieved)]
+        if room <= 0 or not self.config.graft_anchors:
+            return sources
+        rates = self.ranks.rates
+        for node, r in ranked[: self.config.graft_anchors]:
+            p = rates[r] if r < len(rates) else rates[-1]
+            if p <= 0.0:
+                continue
+            path = tree.path_tokens(node)[1:]
+            cands = self.retrieval.continuations(ctx.tokens, path, room)
+            if len(cands) > 1:
+                sources.append(GraftSource(node, cands, math.log(p)))
+        return sources
 
     # ------------------------------------------------------------------ sizing
     def stage_of(self, levels: int) -> int:
@@ -195,14 +472,16 @@ class GraftDrafter:
         (a drafter whose open leaves ran out stops between stages)."""
         return next(s for s in self.config.stages if s >= levels)
 
-    def dense_budget(self) -> int:
-        """K_max for this step: the configured one, or the measured optimum (``dense_budget: 0``)."""
-        if self.cost_model is None:  # a configured K_max (the constructor checked that auto has c(T))
+    def dense_budget(self, context: int | None = None) -> int:
+        """K_max for this step: the configured one, or (``dense_budget: 0``) the measured optimum
+        ``argmax_K (1 + sum_{r<K-1} a_r) / (c(K, L) + d)`` at context length ``context``."""
+        if self.config.dense_budget != GraftConfig.AUTO:
             return self.config.dense_budget
-        return self.ranks.best_size(self.cost_model, GraftConfig.AUTO_MAX)
+        assert self.cost_model is not None  # the constructor checked that auto has c(T)
+        return self.ranks.best_size(self.cost_model, GraftConfig.AUTO_MAX, self.timing.expected(), context)
 
     def template(self, stage: int, k_max: int) -> StageTemplate:
-        """The precomputed template of ``stage`` for trees of ``k_max`` tokens (cached)."""
+        """The budgets of ``stage`` for trees of ``k_max`` tokens (cached)."""
         key = (stage, k_max)
         tmpl = self._templates.get(key)
         if tmpl is None:
@@ -213,30 +492,45 @@ class GraftDrafter:
         return tmpl
 
     def report(self) -> dict[str, Any]:
-        """What the bench JSON records about this drafter's sizing."""
+        """What the bench JSON records about this drafter's sizing and decisions."""
+        rates = self.ranks.rates
         out: dict[str, Any] = {
             "tree_drafter": self.config.tree_type if self.drafter is not None else None,
             "dense_budget_rule": "configured" if self.config.dense_budget else
-            "K_max = argmax_T (1 + sum_{r<T-1} a_r) / c(T); a_r = measured acceptance of the r-th best drafter node",
+            "K_max = argmax_K (1 + sum_{r<K-1} a_r) / (c(K, L) + d); a_r = Beta-posterior acceptance of the "
+            "r-th best drafter node, d = measured drafting time per call",
             "stage_budgets": {s: self.config.stage_budget(s, self.dense_budget()) for s in self.config.stages},
-            "rank_acceptance": [round(a, 4) for a in self.ranks.rates[:64]],
+            "rank_acceptance": [round(a, 4) for a in rates[:64]],
+            "rank_verified": [round(n, 2) for n in self.ranks.verified[:64]],
+            "drafting_s_by_stage": dict(self.timing.seconds),
+            "drafting_s_expected": self.timing.expected(),
+            "gate": {"rule": "call iff G * (c(|R|,L) + d_R) / (1 + E_R) > d + c(|T_g|,L) - c(|R|,L)",
+                     "bucket_edges": list(DrafterGate.EDGES), "gain": [self.gate.gain(b) for b in range(len(self.gate.count))],
+                     "observations": list(self.gate.count)} if self.config.gated else None,
+            "counters": dict(self.counters),
         }
         if self.cost_model is not None:
             out["verify_curve_s"] = dict(zip(self.cost_model.sizes, self.cost_model.seconds))
-            k = self.ranks.best_size(self.cost_model, GraftConfig.AUTO_MAX)
-            out["k_max_now"] = k
-            out["expected_tokens_per_s_at_k_max"] = (1 + sum(self.ranks.rates[: k - 1])) / self.cost_model.cost(k)
+            if self.cost_model.contexts:
+                out["verify_grid_s"] = {c: dict(zip(self.cost_model.sizes, row))
+                                        for c, row in zip(self.cost_model.contexts, self.cost_model.grid)}
+            if self.config.dense_budget == GraftConfig.AUTO:
+                k = self.dense_budget()
+                d = self.timing.expected()
+                out["k_max_now"] = k
+                out["expected_tokens_per_s_at_k_max"] = (1 + sum(rates[: k - 1])) / (self.cost_model.cost(k) + d)
         return out
 
-    def _proposal(self, tree: DraftTree, stage: int, forwards: int, k_max: int, grafted: int, assembly_s: float,
-                  retrieval_expected: float, confidence: float | None) -> Proposal:
-        stats = {"stage": float(stage), "k_max": float(k_max), "grafted": float(grafted),
-                 "assembly_s": assembly_s, "retrieval_expected": retrieval_expected,
-                 "drafter_nodes": float(tree.count_source(NodeSource.DRAFTER)),
-                 "retrieval_nodes": float(tree.count_source(NodeSource.RETRIEVAL))}
+    def _gate_stats(self, d: GateDecision) -> dict[str, float]:
+        return {"gate_verdict": float(d.verdict), "gate_call": float(d.call), "gate_expected_gain": d.expected_gain,
+                "gate_per_token_s": d.per_token_s, "gate_value_s": d.value_s, "gate_cost_s": d.cost_s}
+
+    def _proposal(self, tree: DraftTree, stage: int, forwards: int, stats: dict[str, float]) -> Proposal:
+        stats.setdefault("grafted", 0.0)
+        stats.setdefault("assembly_s", 0.0)
+        stats.update({"stage": float(stage), "drafter_nodes": float(tree.count_source(NodeSource.DRAFTER)),
+                      "retrieval_nodes": float(tree.count_source(NodeSource.RETRIEVAL))})
         stats.update({f"stage_{s}": float(s == stage) for s in self.config.stages})
-        if confidence is not None:
-            stats["beam_mass"] = confidence
         return Proposal(tree=tree, drafter_forwards=forwards, stats=stats)
 
 
@@ -245,7 +539,11 @@ def build_graft_drafter(
 ) -> GraftDrafter:
     """A :class:`GraftDrafter` for an in-process target: the tree drafter of ``config.tree_type``
     (built from ``config.tree``; none when the only stage is 0) + the retrieval source.
-    ``cost_model`` (c(T)) is required when ``dense_budget`` is 0 and ignored otherwise."""
+    ``cost_model`` (c(T, L)) is used when ``config.verify_curve_size()`` is non-zero; if none is
+    given then, it is measured on ``target`` (:func:`~speculation.cost.measure_cost_model`)."""
+    size = config.verify_curve_size()
+    if size and cost_model is None:
+        cost_model = measure_cost_model(target, max_size=size)
     drafter = None
     if config.max_stage > 0:
         drafter = TREE_BUILDERS[config.tree_type](config.tree, target, cost_model)

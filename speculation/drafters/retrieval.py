@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,11 +107,26 @@ class SuffixIndex:
         for t in tokens:
             self.append(t)
 
-    def matches(self, min_len: int, max_len: int) -> list[tuple[int, _TrieNode]]:
-        """(match length, node) for context suffixes with a recorded continuation, longest first."""
+    def matches(self, min_len: int, max_len: int, path: Sequence[int] = ()) -> list[tuple[int, _TrieNode]]:
+        """(match length, node) for suffixes of ``context + path`` with a recorded continuation,
+        longest first (``path``: draft tokens after the last indexed token; nothing is inserted).
+
+        Advancing along ``path`` costs O(depth) per token: the suffix of length k+2 ending at the
+        new token is the child of the suffix of length k+1, and if a suffix never occurred no
+        longer one did either, so the live list stays contiguous from length 1.
+        """
+        active = self.active
+        for tok in path:
+            moved: list[_TrieNode] = []
+            for node in (self.root, *active[: self.depth - 1]):
+                nxt = node.children.get(tok)
+                if nxt is None:
+                    break
+                moved.append(nxt)
+            active = moved
         out = []
-        for k in range(min(max_len, len(self.active)) - 1, min_len - 2, -1):
-            node = self.active[k]
+        for k in range(min(max_len, len(active)) - 1, min_len - 2, -1):
+            node = active[k]
             if node.children:
                 out.append((k + 1, node))
         return out
@@ -291,7 +307,7 @@ class RetrievalDrafter:
         if self.cost_model is not None and len(tree) > 1:
             # Nodes were added best-first (decreasing path probability, parents first), so
             # nodes 1..n form the best tree of n drafts; keep the n the verify curve favours.
-            n = self.cost_model.best_prefix([math.exp(s) for s in tree.scores[1:]])
+            n = self.cost_model.best_prefix([math.exp(s) for s in tree.scores[1:]], context=len(ctx.tokens))
             if n < len(tree) - 1:
                 tree = tree.subtree(range(n + 1))
         return Proposal(tree=tree, drafter_forwards=0)
@@ -325,15 +341,39 @@ class RetrievalDrafter:
         if self.index.length < len(tokens):
             self.index.extend(tokens[self.index.length :])
 
+    def continuations(self, tokens: list[int], path: list[int], budget: int) -> DraftTree:
+        """Retrieved continuations of ``tokens + path`` (an *anchored* retrieval for Graft).
+
+        ``tokens`` is the committed context (already indexed: ``propose`` ran this step), ``path``
+        the draft tokens of an anchor node below the root (empty = the root itself). The suffix
+        index is matched on ``tokens + path`` without inserting the path, the datastore is looked up
+        on it, and the transition table continues from the path's last two tokens. The result is
+        rooted at the anchor's token; node scores are calibrated log path probabilities *given the
+        anchor* (add the anchor's own log probability to put them on the root's scale).
+        """
+        self._sync(tokens)
+        context = [*tokens, *path]
+        matches = self.index.matches(self.config.min_match_len, self.config.max_match_len, path)
+        tree, _ = self.build_tree(context, budget, matches=matches)
+        return tree
+
     def build_tree(
-        self, tokens: list[int], budget: int, root_node: int = 0, tree: DraftTree | None = None
+        self,
+        tokens: list[int],
+        budget: int,
+        root_node: int = 0,
+        tree: DraftTree | None = None,
+        matches: list[tuple[int, _TrieNode]] | None = None,
     ) -> tuple[DraftTree, list[tuple[_Kind, int] | None]]:
         """Best-first tree of at most ``budget`` new nodes under ``root_node`` of ``tree``.
 
-        ``tokens`` is the context whose last token is the root's token. Returns the tree and, per
+        ``tokens`` is the context whose last token is the root's token; ``matches`` its suffix
+        matches (default: the index's matches of the committed context). Returns the tree and, per
         node index, the (source kind, calibration bucket) of retrieval nodes.
         """
         cfg = self.config
+        if matches is None:
+            matches = self.index.matches(cfg.min_match_len, cfg.max_match_len)
         if tree is None:
             tree = DraftTree(tokens[-1])
         meta: list[tuple[_Kind, int] | None] = [None] * len(tree)
@@ -367,7 +407,7 @@ class RetrievalDrafter:
                 heapq.heappush(heap, (-(logp + math.log(p)), counter, parent, tok, _Kind.TABLE, j, None))
 
         base_logp = tree.scores[root_node]
-        for match_len, node in self.index.matches(cfg.min_match_len, cfg.max_match_len)[:3]:
+        for match_len, node in matches[:3]:
             push_trie(root_node, base_logp, node, match_len)
         if self.datastore is not None:
             found = self.datastore.lookup(tokens, cfg.min_match_len, cfg.max_depth)

@@ -1,0 +1,114 @@
+"""The cost-aware bandit over update budgets, its conservative gate, and regret (ALGORITHMS.md §8).
+
+**Arms.** ``budgets`` = optimizer steps of an update, 0 = skip (e.g. 0 / 32 / 128 / 512).
+
+**Choice (UCB over net reward, seconds).** Round t picks
+
+    a_t = argmax_a  mean_r(a) + scale * sqrt(2 ln t / n(a))        (untried arms first)
+
+with ``mean_r(skip) = 0`` exactly and no bonus (skip costs nothing and teaches nothing).
+
+**Gate.** A trained candidate is applied only when the lower confidence bound of its held-out
+gain beats its cost, ``G_lo > C(a)`` (:mod:`adaptation.gain`, :mod:`adaptation.cost_model`).
+
+**Reward.** Applied: realised gain (live tau before vs after the swap, same formula as G) minus
+C(a); trained but gated out: minus the training part of C(a) (it was spent); skip: 0.
+
+**Regret** against the best fixed arm in hindsight: ``max_a sum_t r_t(a) - sum_t r_t(a_t)``.
+``r_t(a)`` is known for the chosen arm (realised), for skip (0), and, for the other update arms,
+from their own held-out estimate when one was made that round (``G - C``); otherwise it is
+imputed by the arm's mean observed reward (0 before any). It is therefore an estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from speculation.config import ConfigError
+
+SKIP = 0
+"""The skip arm's budget."""
+
+
+@dataclass(frozen=True)
+class BanditConfig:
+    """Attributes:
+        budgets: arm budgets in optimizer steps, increasing, starting with 0 (skip).
+        ucb_scale: exploration bonus scale, seconds. >= 0.
+    """
+
+    budgets: tuple[int, ...] = (SKIP, 32, 128, 512)
+    ucb_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        b = self.budgets
+        if not b or b[0] != SKIP or list(b) != sorted(set(b)):
+            raise ConfigError(f"adapt.bandit.budgets must start with 0 (skip) and increase strictly, got {b}")
+        if self.ucb_scale < 0:
+            raise ConfigError(f"adapt.bandit.ucb_scale must be >= 0, got {self.ucb_scale}")
+
+
+def gate(gain_lo_s: float, cost_s: float) -> bool:
+    """Apply an update only when the lower confidence bound of its gain exceeds its cost."""
+    return gain_lo_s > cost_s
+
+
+@dataclass
+class ArmStats:
+    pulls: int = 0
+    reward_sum: float = 0.0
+
+    @property
+    def mean(self) -> float:
+        return self.reward_sum / self.pulls if self.pulls else 0.0
+
+
+@dataclass
+class CostAwareBandit:
+    """UCB over arms with pending rewards (an applied arm's reward arrives after the watch window)."""
+
+    config: BanditConfig = field(default_factory=BanditConfig)
+    stats: dict[int, ArmStats] = field(default_factory=dict)
+    rounds: int = 0
+    history: list[dict[int, float]] = field(default_factory=list)
+    chosen: list[int] = field(default_factory=list)
+    received: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for b in self.config.budgets:
+            self.stats.setdefault(b, ArmStats())
+
+    def choose(self) -> int:
+        """The arm (budget) of the next round."""
+        self.rounds += 1
+        best, best_v = SKIP, 0.0
+        for b in self.config.budgets[1:]:
+            s = self.stats[b]
+            if s.pulls == 0:
+                return b
+            v = s.mean + self.config.ucb_scale * math.sqrt(2 * math.log(self.rounds) / s.pulls)
+            if v > best_v:
+                best, best_v = b, v
+        return best
+
+    def record(self, arm: int, reward: float, counterfactual: dict[int, float] | None = None) -> None:
+        """The realised reward of ``arm`` this round (and estimated rewards of other arms, if known)."""
+        s = self.stats[arm]
+        s.pulls += 1
+        s.reward_sum += reward
+        row = {SKIP: 0.0, **(counterfactual or {}), arm: reward}
+        self.history.append(row)
+        self.chosen.append(arm)
+        self.received.append(reward)
+
+    def regret(self) -> dict[str, float]:
+        """Regret vs the best fixed arm in hindsight (module docstring) and that arm's total."""
+        totals = {}
+        for b in self.config.budgets:
+            fill = self.stats[b].mean
+            totals[b] = sum(row.get(b, fill) for row in self.history)
+        best = max(totals, key=lambda b: totals[b])
+        got = sum(self.received)
+        return {"regret_s": totals[best] - got, "best_fixed_arm": float(best),
+                "best_fixed_total_s": totals[best], "policy_total_s": got}

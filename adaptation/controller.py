@@ -1,0 +1,314 @@
+"""The online-adaptation loop, Ray-free: feedback in, priced decisions out, weights published.
+
+:class:`AdaptationController` is the single-process twin of ``workers.learner.Learner`` (which
+wraps it in a Ray actor). It consumes feedback records (:mod:`adaptation.feedback`) and every
+``decide_every_steps`` recorded verify steps runs one round of its policy:
+
+* ``static``: never updates (the baseline).
+* ``always``: trains ``fixed_budget`` steps every round and applies the result unconditionally.
+* ``periodic``: every ``periodic_rounds`` rounds trains ``periodic_budget`` steps and applies it
+  unconditionally (OSD / Aurora: a fixed sync interval, no gate).
+* ``cost_aware``: the bandit (:mod:`adaptation.bandit`) picks a budget; a candidate trained on a
+  copy is replayed on the held-out feedback (:mod:`adaptation.gain`) and applied only when
+  ``G_lo > C`` (:mod:`adaptation.cost_model`); an applied update is watched by the swap guard
+  (:mod:`adaptation.rollback`) and its realised reward is credited to its arm when the window
+  closes (or a rollback republishes the previous weights).
+
+Publishing is a callable (``publish(state)``): in process it loads the drafter's weights, on Ray
+it puts them in the object store once and calls ``swap_weights`` on every drafter worker. Its
+wall time is the measured sync cost. No new round starts while a swap is being watched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from adaptation.bandit import SKIP, BanditConfig, CostAwareBandit, gate
+from adaptation.cost_model import CostConfig, CostEstimate, UpdateCostModel
+from adaptation.feedback import BufferConfig, FeedbackRecord, ReplayBuffer
+from adaptation.gain import GainEstimate, ReplayConfig, TrafficRate, estimate_gain, gain_seconds, replay_units, replica
+from adaptation.online import OnlineConfig, OnlineUpdater, StateDict, TrainableDrafter
+from adaptation.rollback import GuardConfig, GuardVerdict, SwapGuard
+from speculation.config import ConfigError
+
+Publisher = Callable[[StateDict], None]
+"""Pushes weights to the serving drafters (returns when they are swapped in)."""
+
+
+class Policy(str, enum.Enum):
+    STATIC = "static"
+    ALWAYS = "always"
+    PERIODIC = "periodic"
+    COST_AWARE = "cost_aware"
+
+
+class Outcome(str, enum.Enum):
+    """What a round did."""
+
+    SKIPPED = "skipped"  # skip arm, static policy, or not enough feedback yet (then ``arm`` is the
+    # budget that would have run; nothing was trained or spent)
+    GATED = "gated"  # trained, G_lo <= C: not applied
+    APPLIED = "applied"
+    KEPT = "kept"  # guard window closed: update kept
+    ROLLED_BACK = "rolled_back"
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Attributes:
+        policy: the update policy (module docstring).
+        decide_every_steps: verify steps recorded between rounds. >= 1.
+        horizon_s: the gain horizon (N = traffic rate * horizon). > 0.
+        fixed_budget: optimizer steps of an ``always`` update. >= 1.
+        periodic_rounds: rounds between ``periodic`` updates. >= 1.
+        periodic_budget: optimizer steps of a ``periodic`` update. >= 1.
+        min_train_sequences: finished requests in the train part before any update. >= 1.
+        buffer, online, replay, cost, bandit, guard: the parts' configs.
+    """
+
+    policy: Policy = Policy.COST_AWARE
+    decide_every_steps: int = 64
+    horizon_s: float = 60.0
+    fixed_budget: int = 32
+    periodic_rounds: int = 4
+    periodic_budget: int = 128
+    min_train_sequences: int = 1
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    bandit: BanditConfig = field(default_factory=BanditConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Policy(self.policy))
+        for name in ("decide_every_steps", "fixed_budget", "periodic_rounds", "periodic_budget", "min_train_sequences"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"adapt.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.horizon_s > 0:
+            raise ConfigError(f"adapt.horizon_s must be > 0, got {self.horizon_s}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One round or guard event, as logged (MLflow metrics through ``tracking.adaptation``).
+
+    ``gain`` is None when no candidate was replayed; ``realised_gain_s``/``reward_s`` are set on
+    KEPT / ROLLED_BACK events (and on GATED rounds, the reward).
+    """
+
+    round: int
+    policy: Policy
+    arm: int
+    outcome: Outcome
+    cost: CostEstimate
+    gain: GainEstimate | None = None
+    train_s: float = 0.0
+    sync_s: float = 0.0
+    loss: float = math.nan
+    tau_pre: float = math.nan
+    tau_post: float = math.nan
+    realised_gain_s: float = math.nan
+    reward_s: float = math.nan
+    wall_time: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        out = {"arm": float(self.arm), "cost_s": self.cost.total_s, "cost_train_s": self.cost.train_s,
+               "cost_contention": self.cost.contention, "cost_sync_s": self.cost.sync_s,
+               "train_s": self.train_s, "sync_s": self.sync_s, "loss": self.loss,
+               "tau_pre": self.tau_pre, "tau_post": self.tau_post,
+               "realised_gain_s": self.realised_gain_s, "reward_s": self.reward_s}
+        if self.gain is not None:
+            g = self.gain
+            out.update({"tau_old": g.tau_old, "tau_new": g.tau_new, "tau_new_lo": g.tau_new_lo,
+                        "tau_new_hi": g.tau_new_hi, "gain_s": g.gain_s, "gain_lo_s": g.gain_lo_s,
+                        "gain_hi_s": g.gain_hi_s, "horizon_tokens": g.horizon_tokens})
+        return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+class AdaptationController:
+    """Feedback -> rounds -> published weights (module docstring).
+
+    Args:
+        drafter: a drafter with the live weights (the controller keeps a private replica; the
+            live drafters are reached only through ``publish``).
+        publish: pushes a state dict to the serving drafters.
+        config: knobs.
+        weights: the live weights, if not the drafter's (a restarted learner's last published).
+    """
+
+    def __init__(self, drafter: TrainableDrafter, publish: Publisher, config: ControllerConfig | None = None,
+                 weights: StateDict | None = None) -> None:
+        self.config = config or ControllerConfig()
+        self.publish_fn = publish
+        self.buffer = ReplayBuffer(self.config.buffer)
+        self.updater = OnlineUpdater(drafter, self.config.online)
+        self.cost = UpdateCostModel(self.config.cost)
+        self.rate = TrafficRate()
+        self.bandit = CostAwareBandit(self.config.bandit)
+        self.guard = SwapGuard(self.config.guard)
+        self._replica = replica(drafter)
+        self.weights: StateDict = weights if weights is not None else drafter.state_dict()
+        self.version = 0
+        self.decisions: list[Decision] = []
+        self.on_decision: Callable[[Decision], None] | None = None
+        self._steps_since = 0
+        self._rounds = 0
+        self._pending: tuple[int, CostEstimate, GainEstimate | None] | None = None
+        self._last_wall: dict[object, float] = {}
+        self._busy: list[tuple[float, float]] = []
+        self._lock = threading.RLock()
+        self.horizon_tokens_override: float | None = None
+
+    # ------------------------------------------------------------------ feedback
+    def add(self, records: list[FeedbackRecord]) -> list[Decision]:
+        """Take a batch of feedback; runs the guard and, when due, a round. Returns new decisions."""
+        with self._lock:
+            before = len(self.decisions)
+            self.buffer.add(records)
+            self.rate.observe(records)
+            for r in records:
+                self._serving_time(r)
+                verdict = self.guard.observe(r.tokens_gained)
+                if verdict in (GuardVerdict.KEEP, GuardVerdict.ROLLBACK):
+                    self._close_watch(verdict)
+            self._steps_since += len(records)
+            if self._steps_since >= self.config.decide_every_steps and not self.guard.watching:
+                self._steps_since = 0
+                self.round()
+            return self.decisions[before:]
+
+    def _serving_time(self, r: FeedbackRecord) -> None:
+        prev = self._last_wall.get(r.request_id)
+        self._last_wall[r.request_id] = r.wall_time
+        if prev is None or r.step == 0:
+            return
+        busy = any(a < r.wall_time and prev < b for a, b in self._busy[-8:])
+        self.cost.observe_serving_step(r.wall_time - prev, busy)
+
+    def horizon_tokens(self) -> float:
+        if self.horizon_tokens_override is not None:
+            return self.horizon_tokens_override
+        return self.rate.horizon_tokens(self.config.horizon_s)
+
+    # ------------------------------------------------------------------ rounds
+    def round(self) -> Decision:
+        """One decision round of the configured policy (module docstring)."""
+        with self._lock:
+            self._rounds += 1
+            cfg = self.config
+            arm = self._arm()
+            cost = self.cost.cost(arm)
+            train = self.buffer.train_sequences()
+            if arm == SKIP or len(train) < cfg.min_train_sequences:
+                if cfg.policy is Policy.COST_AWARE and arm == SKIP:
+                    self.bandit.record(SKIP, 0.0)
+                return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
+            t0 = time.time()
+            result = self.updater.train(self.weights, train, arm)
+            self._busy.append((t0, time.time()))
+            self.cost.observe_opt_steps(result.step_seconds)
+            cost = self.cost.cost(arm)
+            train_s = sum(result.step_seconds)
+            if cfg.policy is not Policy.COST_AWARE:
+                sync_s = self._publish(result.state)
+                return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.APPLIED, cost, None, train_s, sync_s,
+                                          result.mean_loss))
+            est = self.estimate(result.state)
+            if not gate(est.gain_lo_s, cost.total_s):
+                reward = -cost.train_s * cost.contention
+                self.bandit.record(arm, reward, {arm: reward})
+                return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.GATED, cost, est, train_s,
+                                          loss=result.mean_loss, reward_s=reward))
+            return self.apply(result.state, arm, cost, est, train_s, result.mean_loss)
+
+    def apply(self, state: StateDict, arm: int, cost: CostEstimate, est: GainEstimate | None = None,
+              train_s: float = 0.0, loss: float = math.nan) -> Decision:
+        """Publish ``state`` as an update of arm ``arm`` and watch it with the swap guard (the
+        previous weights are kept for a rollback; the arm's reward is credited when the window closes)."""
+        with self._lock:
+            tau_pre = self.buffer.live_tau(self.config.guard.window_steps)
+            previous = self.weights
+            sync_s = self._publish(state)
+            self.guard.arm(previous, tau_pre)
+            self._pending = (arm, cost, est)
+            return self._log(Decision(self._rounds, self.config.policy, arm, Outcome.APPLIED, cost, est, train_s,
+                                      sync_s, loss, tau_pre=tau_pre))
+
+    def _arm(self) -> int:
+        cfg = self.config
+        if cfg.policy is Policy.STATIC:
+            return SKIP
+        if cfg.policy is Policy.ALWAYS:
+            return cfg.fixed_budget
+        if cfg.policy is Policy.PERIODIC:
+            return cfg.periodic_budget if self._rounds % cfg.periodic_rounds == 0 else SKIP
+        return self.bandit.choose()
+
+    def estimate(self, candidate: StateDict) -> GainEstimate:
+        """Replay the held-out feedback with the live and the candidate weights (:mod:`adaptation.gain`)."""
+        held = self.buffer.heldout_sequences()
+        chunk = self.config.replay.chunk
+        self._replica.load_state_dict(self.weights)
+        old = replay_units(self._replica, held, chunk)
+        self._replica.load_state_dict(candidate)
+        new = replay_units(self._replica, held, chunk)
+        step_s = self.cost.serving_step_s
+        return estimate_gain(old, new, self.horizon_tokens(), step_s if math.isfinite(step_s) else 0.0,
+                             self.config.replay)
+
+    def _publish(self, state: StateDict) -> float:
+        t0 = time.perf_counter()
+        self.publish_fn(state)
+        dt = time.perf_counter() - t0
+        self.cost.observe_sync(dt)
+        self.weights = state
+        self.version += 1
+        return dt
+
+    def _close_watch(self, verdict: GuardVerdict) -> None:
+        assert self._pending is not None
+        arm, cost, est = self._pending
+        self._pending = None
+        tau_pre, tau_post = self.guard.tau_pre, self.guard.tau_post
+        step_s = self.cost.serving_step_s
+        realised = gain_seconds(self.horizon_tokens(), step_s if math.isfinite(step_s) else 0.0, tau_pre, tau_post)
+        previous = self.guard.release()
+        sync_s = 0.0
+        if verdict is GuardVerdict.ROLLBACK:
+            assert previous is not None
+            sync_s = self._publish(previous)
+        reward = realised - cost.total_s
+        counter = {arm: reward}
+        self.bandit.record(arm, reward, counter)
+        outcome = Outcome.ROLLED_BACK if verdict is GuardVerdict.ROLLBACK else Outcome.KEPT
+        self._log(Decision(self._rounds, self.config.policy, arm, outcome, cost, est, sync_s=sync_s,
+                           tau_pre=tau_pre, tau_post=tau_post, realised_gain_s=realised, reward_s=reward))
+
+    def _log(self, d: Decision) -> Decision:
+        d = _with_time(d)
+        self.decisions.append(d)
+        if self.on_decision is not None:
+            self.on_decision(d)
+        return d
+
+    def summary(self) -> dict[str, float]:
+        """Counts and the bandit's regret (cost-aware only)."""
+        n = {o: sum(d.outcome is o for d in self.decisions) for o in Outcome}
+        out = {"rounds": float(self._rounds), "updates": float(n[Outcome.APPLIED]),
+               "rollbacks": float(n[Outcome.ROLLED_BACK]), "gated": float(n[Outcome.GATED]),
+               "cost_s": sum(d.cost.total_s for d in self.decisions if d.outcome in (Outcome.APPLIED, Outcome.GATED)),
+               "weights_version": float(self.version)}
+        if self.config.policy is Policy.COST_AWARE:
+            out.update(self.bandit.regret())
+        return out
+
+
+def _with_time(d: Decision) -> Decision:
+    return dataclasses.replace(d, wall_time=time.time())

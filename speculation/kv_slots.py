@@ -1,0 +1,174 @@
+"""Preallocated per-slot KV caches for continuous batching, and the transformers ``Cache`` that
+scatters a batched forward's new rows into them.
+
+Layout, per model layer ``l``::
+
+    K[l], V[l] : [S, H_kv, L, D]      S = max sequences (slots), L = max tokens per slot
+
+A slot holds one live sequence; its first ``n`` rows are valid (the committed tokens), rows past
+``n`` are stale and always masked. Memory is fixed at construction: nothing grows, nothing is
+evicted; a sequence frees its slot when it ends.
+
+A batched tree forward over slots ``s_1..s_B`` with trees of ``T_b`` nodes after ``n_b`` valid rows:
+
+* writes node ``t < T_b`` of row ``b`` at ``K[l][s_b, :, n_b + t]`` (padding rows are not written),
+* returns the slab ``K[l][s_1..s_B, :, :L_max]`` with ``L_max = max_b (n_b + T_b)``, the keys the
+  4D mask ``[B, 1, T_max, L_max]`` (see :func:`speculation.target.batch_tree_attention_inputs`)
+  selects from. When the slots are one contiguous range the slab is a view (no copy).
+
+After acceptance, :meth:`KVSlotPool.compact` moves the accepted rows ``n + accepted`` to
+``n .. n + m`` inside the slot (m + 1 rows per layer) and the valid length becomes ``n + m + 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SlotsExhaustedError(RuntimeError):
+    """No free KV slot (callers check :attr:`KVSlotPool.free` before acquiring)."""
+
+
+class KVSlotPool:
+    """``max_sequences`` KV slots of ``max_tokens`` rows for every layer of one model.
+
+    Tensors are allocated on the first :meth:`load_prefix` (their head count, head size, dtype and
+    device are taken from the first prefill's cache), once, at full size.
+    """
+
+    def __init__(self, num_layers: int, max_sequences: int, max_tokens: int) -> None:
+        if num_layers < 1 or max_sequences < 1 or max_tokens < 1:
+            raise ValueError("num_layers, max_sequences and max_tokens must be >= 1")
+        self.num_layers = num_layers
+        self.max_sequences = max_sequences
+        self.max_tokens = max_tokens
+        self.keys: list[torch.Tensor] = []  # per layer [S, H_kv, L, D]
+        self.values: list[torch.Tensor] = []
+        self._free: list[int] = list(range(max_sequences - 1, -1, -1))  # pop() gives the lowest slot
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def free(self) -> int:
+        """Slots not held by a live sequence."""
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise SlotsExhaustedError(f"all {self.max_sequences} KV slots are held by live sequences")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.max_sequences:
+            raise ValueError(f"slot {slot} is not held")
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    # ------------------------------------------------------------------ KV rows
+    @torch.inference_mode()
+    def load_prefix(self, slot: int, layers: list) -> int:
+        """Copy a prefill cache's rows (per layer ``keys``/``values`` ``[1, H_kv, n, D]``) into rows
+        ``0..n`` of ``slot``; returns n."""
+        if len(layers) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} cache layers, got {len(layers)}")
+        n = int(layers[0].keys.shape[-2])
+        if n > self.max_tokens:
+            raise ValueError(f"prefix of {n} tokens exceeds the slot size {self.max_tokens}")
+        if not self.keys:
+            for layer in layers:
+                _, h, _, d = layer.keys.shape
+                shape = (self.max_sequences, h, self.max_tokens, d)
+                # zeros, not empty: masked stale rows must be finite (0 * NaN would poison P @ V)
+                self.keys.append(torch.zeros(shape, dtype=layer.keys.dtype, device=layer.keys.device))
+                self.values.append(torch.zeros(shape, dtype=layer.values.dtype, device=layer.values.device))
+        for k, v, layer in zip(self.keys, self.values, layers):
+            k[slot, :, :n] = layer.keys[0]
+            v[slot, :, :n] = layer.values[0]
+        return n
+
+    @torch.inference_mode()
+    def compact(self, slot: int, base: int, accepted: list[int]) -> None:
+        """Move rows ``base + accepted`` of ``slot`` to ``base .. base + m`` (accepted[0] = 0)."""
+        if not accepted or accepted[0] != 0:
+            raise ValueError("accepted path must start at the root (node 0)")
+        if accepted == list(range(len(accepted))):
+            return  # already in place
+        src = torch.tensor([base + a for a in accepted], device=self.keys[0].device)
+        m1 = len(accepted)
+        for k, v in zip(self.keys, self.values):
+            k[slot, :, base : base + m1] = k[slot].index_select(1, src)
+            v[slot, :, base : base + m1] = v[slot].index_select(1, src)
+
+    def batch_cache(self, slots: list[int], bases: list[int], sizes: list[int]) -> SlotBatchCache:
+        """The ``Cache`` for one batched forward: row b writes ``sizes[b]`` tokens at ``bases[b]``."""
+        return SlotBatchCache(self, slots, bases, sizes)
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's view of the pool during a batched forward (scatter new rows, return the slab)."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, pool: KVSlotPool, layer_idx: int, plan: _WritePlan) -> None:
+        super().__init__()
+        self.pool, self.layer_idx, self.plan = pool, layer_idx, plan
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """``key_states``: ``[B, H_kv, T_max, D]``; returns the slab ``[B, H_kv, L_max, D]`` twice."""
+        p = self.plan
+        k_all, v_all = self.pool.keys[self.layer_idx], self.pool.values[self.layer_idx]
+        k_all[p.dst_slot, :, p.dst_pos] = key_states[p.src_row, :, p.src_col].to(k_all.dtype)
+        v_all[p.dst_slot, :, p.dst_pos] = value_states[p.src_row, :, p.src_col].to(v_all.dtype)
+        if p.contiguous is not None:
+            lo, hi = p.contiguous
+            return k_all[lo:hi, :, : p.kv_len], v_all[lo:hi, :, : p.kv_len]
+        return k_all[p.slots, :, : p.kv_len], v_all[p.slots, :, : p.kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.plan.kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.plan.kv_len
+
+    def get_max_length(self) -> int:
+        return self.pool.max_tokens
+
+
+class _WritePlan:
+    """Flat scatter indices of one batched forward (built once, shared by every layer)."""
+
+    def __init__(self, slots: list[int], bases: list[int], sizes: list[int], device: torch.device) -> None:
+        if not (len(slots) == len(bases) == len(sizes)) or not slots:
+            raise ValueError("slots, bases and sizes must be non-empty and of equal length")
+        src_row = [b for b, t in enumerate(sizes) for _ in range(t)]
+        src_col = [i for t in sizes for i in range(t)]
+        self.src_row = torch.tensor(src_row, dtype=torch.long, device=device)  # [N]
+        self.src_col = torch.tensor(src_col, dtype=torch.long, device=device)  # [N]
+        self.dst_slot = torch.tensor([slots[b] for b in src_row], dtype=torch.long, device=device)  # [N]
+        self.dst_pos = torch.tensor([bases[b] + i for b, i in zip(src_row, src_col)], dtype=torch.long,
+                                    device=device)  # [N]
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)  # [B]
+        self.kv_len = max(n + t for n, t in zip(bases, sizes))
+        lo = slots[0]
+        self.contiguous = (lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
+
+
+class SlotBatchCache(Cache):
+    """A transformers ``Cache`` over :class:`KVSlotPool` rows for one batched forward."""
+
+    def __init__(self, pool: KVSlotPool, slots: list[int], bases: list[int], sizes: list[int]) -> None:
+        if not pool.keys:
+            raise ValueError("the KV pool is empty: load a prefix first")
+        if max(n + t for n, t in zip(bases, sizes)) > pool.max_tokens:
+            raise ValueError(f"a row would write past the slot size {pool.max_tokens}")
+        plan = _WritePlan(slots, bases, sizes, pool.keys[0].device)
+        super().__init__(layers=[_SlotLayer(pool, i, plan) for i in range(pool.num_layers)])
+        self.plan = plan

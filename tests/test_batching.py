@@ -1,0 +1,440 @@
+"""Continuous batching (:class:`speculation.engine.BatchEngine`) on a tiny random Llama.
+
+* fp32 greedy: every sequence's output under batching (different prompt lengths, staggered
+  arrivals, different max tokens, EOS mid-batch, more requests than slots) equals its own solo
+  vanilla output, for vanilla and every drafter built here. On a mismatch the message shows the
+  solo logit margin (top-1 minus top-2) at the first differing token, so a batch-shape near-tie
+  is told apart from a bug.
+* Sampling: a request's output equals the solo run with the same seed; the chi-square test of
+  tests/test_sampling_lossless.py passes with every sample drawn inside a batch.
+* Slots and admission: abort frees a slot at once, requests wait for a slot, a request that can
+  never fit gets AdmissionError naming the limit, duplicate ids and bad configs are refused.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from speculation.config import BatchConfig, ConfigError, EngineConfig, RetrievalConfig, SamplingConfig
+from speculation.drafters.retrieval import RetrievalDrafter
+from speculation.engine import (
+    AdmissionError,
+    BatchEngine,
+    FinishReason,
+    QueueFullError,
+    Request,
+    generate_speculative,
+    generate_vanilla,
+)
+from tests.helpers import (
+    GreedyOracleDrafter,
+    RandomTreeDrafter,
+    full_logits,
+    shared_tiny_llama,
+    tiny_llama,
+    tiny_target,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 64
+PROMPTS = [
+    [5],
+    [1, 2, 3, 4, 5, 6, 7, 8],
+    [10, 20, 10, 20, 10, 20, 10],
+    [63, 0, 17, 42, 42, 42, 9, 31, 8, 8, 1, 60, 2],
+    [7] * 20,
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5],
+]
+NEW = [30, 12, 25, 1, 20, 17]
+ARRIVE = [0, 0, 1, 3, 3, 6]  # step at which each request is added (staggered arrivals)
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def _model():
+    return shared_tiny_llama(vocab_size=VOCAB, seed=42)
+
+
+def _eagle3(target):
+    from speculation.config import Eagle3Config
+    from speculation.drafters.eagle3 import build_eagle3_drafter
+
+    return build_eagle3_drafter(
+        Eagle3Config(checkpoint="random", draft_vocab_size=VOCAB, top_k=3, depth=3, total_tokens=12), target)
+
+
+def _specblock(target):
+    from speculation.config import SpecBlockConfig
+    from speculation.drafters.specblock import build_specblock_drafter
+
+    cfg = SpecBlockConfig(checkpoint="random", draft_vocab_size=VOCAB, block_size=3, max_blocks=2, beam=3,
+                          slot_widths=(2, 2, 3, 1), total_tokens=10, adaptive_widths=False)
+    return build_specblock_drafter(cfg, target)
+
+
+def _graft(target):
+    from speculation.config import GraftConfig
+    from speculation.drafters.graft import build_graft_drafter
+
+    cfg = GraftConfig(tree_drafter={"type": "eagle3", "top_k": 3, "checkpoint": "random", "draft_vocab_size": VOCAB},
+                      dense_budget=10, graft_budget=4)
+    return build_graft_drafter(cfg, target)
+
+
+# name -> factory(target, request index) of a fresh drafter (one per request, as a server does)
+DRAFTERS = {
+    "vanilla": None,
+    "random-tree": lambda target, i: RandomTreeDrafter(VOCAB, seed=3 + i),
+    "oracle": lambda target, i: GreedyOracleDrafter(target.model, seed=5 + i),
+    "retrieval": lambda target, i: RetrievalDrafter(RetrievalConfig(budget=8, cost_aware=False), VOCAB),
+    "eagle3": lambda target, i: _eagle3(target),
+    "specblock": lambda target, i: _specblock(target),
+    "graft": lambda target, i: _graft(target),
+}
+
+
+def _factory(name, target):
+    make = DRAFTERS[name]
+    if make is None:
+        return None
+    counter = iter(range(1000))
+    return lambda: make(target, next(counter))
+
+
+def _solo_vanilla(target, prompt, n, sampling=GREEDY, stop_at_eos=False):
+    return generate_vanilla(target, prompt, EngineConfig(max_new_tokens=n, stop_at_eos=stop_at_eos,
+                                                         sampling=sampling)).tokens
+
+
+def _margin_report(model, prompt, ref, got) -> str:
+    """Where ``got`` leaves ``ref``, and the solo top-1 minus top-2 logit margin there."""
+    k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    if k >= min(len(ref), len(got)):
+        return f"lengths differ: solo {len(ref)} tokens, batched {len(got)}"
+    logits = full_logits(model, prompt + ref[:k])[-1]
+    top = torch.topk(logits, 2)
+    return (f"first difference at token {k}: solo {ref[k]}, batched {got[k]}; solo logit margin "
+            f"top1-top2 = {float(top.values[0] - top.values[1]):.3e}, "
+            f"logit(solo)-logit(batched) = {float(logits[ref[k]] - logits[got[k]]):.3e}")
+
+
+def _drive(engine: BatchEngine, requests: list[Request], arrive: list[int]):
+    """Add request i at step ``arrive[i]``; step until done. Returns (results, updates by id)."""
+    results, updates = {}, {r.request_id: [] for r in requests}
+    step = 0
+    pending = sorted(zip(arrive, range(len(requests))))
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= step:
+            engine.add(requests[pending.pop(0)[1]])
+        for u in engine.step():
+            updates[u.request_id].append(u)
+        results.update(engine.finished_results())
+        step += 1
+        assert step < 1000, "the engine made no progress"
+    return results, updates
+
+
+def _check_updates(updates, result, n_max):
+    """The updates stream the result: tokens concatenate to it, exactly one finishes it, last."""
+    toks = [t for u in updates for t in u.new_tokens]
+    assert toks == result.tokens
+    finished = [u.finished for u in updates if u.finished is not None]
+    assert len(finished) == 1 and updates[-1].finished is not None
+    assert len(result.tokens) <= n_max
+
+
+# ---------------------------------------------------------------------------- greedy exactness
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_batched_greedy_equals_solo_vanilla(name):
+    model = _model()
+    target = tiny_target(model)
+    refs = [_solo_vanilla(target, p, n) for p, n in zip(PROMPTS, NEW)]
+    # 4 slots for 6 requests: some wait for a slot; arrivals are staggered.
+    engine = BatchEngine(target, _factory(name, target), BatchConfig(max_sequences=4, max_tokens_per_sequence=64))
+    reqs = [Request(f"r{i}", p, n, GREEDY, stop_at_eos=False) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+    results, updates = _drive(engine, reqs, ARRIVE)
+    for i, (p, ref) in enumerate(zip(PROMPTS, refs)):
+        got = results[f"r{i}"].tokens
+        assert got == ref, f"{name}, request {i}: {_margin_report(model, p, ref, got)}"
+        _check_updates(updates[f"r{i}"], results[f"r{i}"], NEW[i])
+        assert updates[f"r{i}"][-1].finished is FinishReason.LENGTH
+    assert engine.pool.free == 4 and engine.num_live == 0
+    steps = [u.step for ups in updates.values() for u in ups if u.step is not None]
+    assert max(s.stats["batch_size"] for s in steps) >= 3  # several sequences per forward
+    if name != "vanilla":
+        assert sum(s.accepted for s in steps) > 0
+    else:
+        assert all(s.tree_size == 1 for s in steps)
+
+
+def test_eos_and_stop_ids_mid_batch():
+    """A sequence that hits EOS (or its own stop id) leaves the batch; the others go on unchanged."""
+    base = _model()
+    target0 = tiny_target(base)
+    refs = [_solo_vanilla(target0, p, 30) for p in PROMPTS]
+    eos = refs[0][6]  # an EOS the first prompt reaches mid-way
+    model = tiny_llama(vocab_size=VOCAB, seed=42, eos_token_id=eos)  # same weights, an EOS id
+    target = tiny_target(model)
+    assert target.eos_token_ids == frozenset({eos})
+    stop_extra = refs[2][4]
+    engine = BatchEngine(target, _factory("random-tree", target), BatchConfig(max_sequences=3))
+    reqs = [Request(f"r{i}", p, 30, GREEDY, stop_token_ids=frozenset({stop_extra}) if i == 2 else frozenset())
+            for i, p in enumerate(PROMPTS)]
+    results, updates = _drive(engine, reqs, [0] * len(reqs))
+    for i, p in enumerate(PROMPTS):
+        ref = generate_vanilla(target, p, EngineConfig(max_new_tokens=30, stop_at_eos=True, sampling=GREEDY)).tokens
+        if i == 2:
+            ref = ref[: ref.index(stop_extra) + 1] if stop_extra in ref else ref
+        got = results[f"r{i}"].tokens
+        assert got == ref, f"request {i}: {_margin_report(model, p, ref, got)}"
+        stopped = got[-1] == eos or (i == 2 and got[-1] == stop_extra)
+        assert updates[f"r{i}"][-1].finished is (FinishReason.STOP if stopped else FinishReason.LENGTH)
+    assert results["r0"].tokens[-1] == eos and len(results["r0"].tokens) <= 7
+
+
+def test_verify_batch_matches_solo_verify():
+    """One batched forward over trees of different sizes after different KV lengths gives each
+    tree the logits of its own solo verify (to fp32 rounding), and commits the right rows."""
+    from speculation.tree import DraftTree
+    from tests.helpers import random_tree
+    import random
+
+    target = tiny_target(_model())
+    pool = target.new_slot_pool(4, 64)
+    rng = random.Random(0)
+    states, solos, trees = [], [], []
+    for p in PROMPTS[:4]:
+        st, _, _ = target.prefill_slot(pool, p)
+        so, _, _ = target.prefill(p)
+        states.append(st)
+        solos.append(so)
+        trees.append(random_tree(rng, p[-1], VOCAB, max_nodes=len(p)) if len(p) > 1 else DraftTree(p[-1]))
+    for _ in range(3):
+        fwds = target.verify_batch(states, trees, need_aux=True)
+        for st, so, tree, fwd in zip(states, solos, trees, fwds):
+            ref = target.verify(so, tree, need_aux=True)
+            assert fwd.logits.shape == ref.logits.shape and fwd.aux_hidden.shape == ref.aux_hidden.shape
+            torch.testing.assert_close(fwd.logits, ref.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fwd.aux_hidden, ref.aux_hidden, rtol=1e-5, atol=1e-5)
+            path = [0]
+            while len(path) < 3 and tree.children(path[-1]):
+                path.append(tree.children(path[-1])[-1])  # the last child: rows must move
+            target.commit_slot(st, tree, path)
+            target.commit(so, tree, path)
+            assert st.length == so.length and st.tokens == so.tokens
+        trees = [random_tree(rng, int(f.logits[0].argmax()), VOCAB, max_nodes=5) for f in fwds]
+    for st in states:
+        target.release_slot(st)
+    assert pool.free == 4
+
+
+# ---------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("name", ["vanilla", "random-tree"])
+def test_batched_sampling_equals_solo_with_same_seed(name):
+    model = _model()
+    target = tiny_target(model)
+    samplings = [SamplingConfig(temperature=t, top_p=tp, top_k=k, seed=s)
+                 for t, tp, k, s in [(0.8, 0.9, 0, 1), (1.0, 1.0, 0, 2), (0.7, 1.0, 10, 3), (1.3, 0.95, 20, 4),
+                                     (0.0, 1.0, 0, 5), (0.9, 0.8, 5, 6)]]
+    engine = BatchEngine(target, _factory(name, target), BatchConfig(max_sequences=4))
+    reqs = [Request(f"r{i}", p, n, s, stop_at_eos=False)
+            for i, (p, n, s) in enumerate(zip(PROMPTS, NEW, samplings))]
+    results, _ = _drive(engine, reqs, ARRIVE)
+    for i, (p, n, s) in enumerate(zip(PROMPTS, NEW, samplings)):
+        cfg = EngineConfig(max_new_tokens=n, stop_at_eos=False, sampling=s)
+        if name == "vanilla":
+            ref = generate_vanilla(target, p, cfg).tokens
+        else:
+            ref = generate_speculative(target, RandomTreeDrafter(VOCAB, seed=3 + ARRIVE_ORDER[i]), p, cfg).tokens
+        assert results[f"r{i}"].tokens == ref, f"{name}, request {i} (seed {s.seed}) differs from its solo run"
+
+
+# request index -> order in which the engine admits it (the drafter factory's counter)
+ARRIVE_ORDER = [i for _, i in sorted((a, i) for i, a in enumerate(ARRIVE))]
+ARRIVE_ORDER = [ARRIVE_ORDER.index(i) for i in range(len(ARRIVE))]
+
+
+def test_batched_sampling_chi_square():
+    """Every sample drawn inside a batch of 16 (own seed each): the K-token distribution is the
+    target's (same statistic, alpha and N as tests/test_sampling_lossless.py)."""
+    from tests import test_sampling_lossless as L
+
+    target = tiny_target(L._model())
+    engine = BatchEngine(target, lambda: L._random_tree_drafter(target), BatchConfig(max_sequences=16))
+    sampling = L.SAMPLING
+    reqs = [Request(f"s{seed}", L.PROMPT, L.K, SamplingConfig(temperature=sampling.temperature,
+                                                              top_p=sampling.top_p, seed=seed), stop_at_eos=False)
+            for seed in range(L.N)]
+    results = engine.run(reqs)
+    outs = {int(rid[1:]): r.tokens for rid, r in results.items()}
+    stat, df, p, _ = L.run_test(lambda seed: outs[seed])
+    assert p >= L.ALPHA, f"batched sampling: X^2={stat:.1f}, df={df}, p={p:.2e}"
+
+
+# ---------------------------------------------------------------------------- slots and admission
+def test_abort_frees_the_slot_and_the_waiting_request_runs():
+    target = tiny_target(_model())
+    engine = BatchEngine(target, None, BatchConfig(max_sequences=1, max_tokens_per_sequence=64))
+    engine.add(Request("a", PROMPTS[1], 40, GREEDY, stop_at_eos=False))
+    engine.add(Request("b", PROMPTS[2], 10, GREEDY, stop_at_eos=False))
+    engine.add(Request("c", PROMPTS[3], 10, GREEDY, stop_at_eos=False))
+    first = engine.step()
+    assert [u.request_id for u in first] == ["a"] and engine.num_waiting == 2
+    engine.abort("c")  # waiting: leaves the queue
+    engine.abort("a")  # live: its slot is free at once
+    assert engine.pool.free == 1 and engine.num_live == 0
+    engine.abort("never-added")  # ignored
+    ups = engine.step()
+    assert [(u.request_id, u.finished) for u in ups[:2]] == [("c", FinishReason.ABORT), ("a", FinishReason.ABORT)]
+    assert ups[2].request_id == "b"
+    out = [t for u in ups[2:] for t in u.new_tokens]
+    while engine.has_work():
+        out += [t for u in engine.step() for t in u.new_tokens]
+    assert out == _solo_vanilla(target, PROMPTS[2], 10)
+    assert engine.pool.free == 1
+
+
+def test_admission_errors_are_clear():
+    target = tiny_target(tiny_llama(vocab_size=VOCAB, seed=42, max_position_embeddings=64))
+    engine = BatchEngine(target, None, BatchConfig(max_sequences=2, max_tokens_per_sequence=32, max_waiting=2))
+    with pytest.raises(AdmissionError, match=r"max_tokens_per_sequence=32") as e:
+        engine.add(Request("big", [1] * 20, 13))
+    assert "20 tokens" in str(e.value) and "33" in str(e.value)
+    assert isinstance(e.value, ValueError)
+    engine_wide = BatchEngine(target, None, BatchConfig(max_sequences=1, max_tokens_per_sequence=256))
+    with pytest.raises(AdmissionError, match="context"):
+        engine_wide.add(Request("ctx", [1] * 40, 40))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add(Request("oov", [1, VOCAB], 4))
+    engine.add(Request("x", [1, 2], 4))
+    with pytest.raises(ValueError, match="already queued"):
+        engine.add(Request("x", [3], 4))
+    engine.add(Request("y", [1, 2], 4))
+    with pytest.raises(QueueFullError, match="max_waiting=2"):
+        engine.add(Request("z", [1, 2], 4))
+    # nothing was lost: both queued requests run to the end, exactly as solo
+    res = engine.run([])
+    assert res["x"].tokens == _solo_vanilla(target, [1, 2], 4) == res["y"].tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"request_id": ""}, "request_id"),
+        ({"prompt_ids": []}, "prompt_ids"),
+        ({"prompt_ids": [1, -2]}, "prompt_ids"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"sampling": {"temperature": 0.5}}, "sampling"),
+        ({"stop_token_ids": {-1}}, "stop_token_ids"),
+    ],
+)
+def test_request_validation_names_the_field(kwargs, field):
+    args = {"request_id": "r", "prompt_ids": [1, 2], "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=field):
+        Request(**args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_sequences": 0}, "max_sequences"),
+        ({"max_tokens_per_sequence": 1}, "max_tokens_per_sequence"),
+        ({"max_tree_tokens": 0}, "max_tree_tokens"),
+        ({"max_sequences": 8, "step_token_budget": 4}, "step_token_budget"),
+        ({"goodput": "yes"}, "goodput"),
+        ({"max_waiting": -1}, "max_waiting"),
+    ],
+)
+def test_batch_config_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        BatchConfig(**kwargs)
+
+
+def test_kv_memory_is_bounded_by_the_config():
+    """The pool is allocated once at its configured size; trees are cut to the rows left in a slot,
+    and a long run never grows it."""
+    model = _model()
+    target = tiny_target(model)
+    cfg = BatchConfig(max_sequences=3, max_tokens_per_sequence=40, max_tree_tokens=16)
+    engine = BatchEngine(target, _factory("oracle", target), cfg)
+    reqs = [Request(f"r{i}", p, 40 - len(p), GREEDY, stop_at_eos=False) for i, p in enumerate(PROMPTS)]
+    results, updates = _drive(engine, reqs, [0] * len(reqs))
+    kv_heads, head_dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert engine.pool.nbytes() == 2 * model.config.num_hidden_layers * 3 * 40 * kv_heads * head_dim * 4
+    for i, p in enumerate(PROMPTS):
+        assert results[f"r{i}"].tokens == _solo_vanilla(target, p, 40 - len(p))
+        for u in updates[f"r{i}"]:
+            if u.step is not None:
+                assert u.step.tree_size <= u.step.stats["tree_budget"] <= 16
+
+
+# ---------------------------------------------------------------------------- goodput rule
+def test_split_budget_gives_drafts_where_they_pay():
+    from speculation.goodput import BatchCostModel, split_budget
+
+    cheap = BatchCostModel({1: {1: 1.0, 100: 2.0}, 4: {4: 1.0, 100: 2.0}})  # ~0.01 s per token
+    good, bad = [0.9, 0.8, 0.7, 0.6, 0.5], [0.02, 0.01, 0.01]
+    s = split_budget([good, bad], [5, 3], cheap)
+    assert s.drafts == [5, 0], s  # the poor drafter's tokens cost more than they add
+    assert s.expected_tokens == pytest.approx(2 + sum(good))
+    s = split_budget([good, bad], [5, 3], cheap, budget=5)
+    assert s.drafts == [3, 0]  # 2 roots + 3 drafts = the step budget
+    dear = BatchCostModel({2: {2: 1.0, 3: 3.0}})  # a draft token triples the step
+    assert split_budget([good, bad], [5, 3], dear).drafts == [0, 0]  # batched vanilla
+
+
+@pytest.mark.parametrize("kind", ["cheap", "dear"])
+def test_goodput_engine_is_exact_and_reports_the_split(kind):
+    from speculation.goodput import BatchCostModel
+
+    model = _model()
+    target = tiny_target(model)
+    cost = (BatchCostModel({1: {1: 1.0, 64: 1.5}, 4: {4: 1.0, 64: 1.5}}) if kind == "cheap"
+            else BatchCostModel({1: {1: 1.0, 2: 5.0}, 4: {4: 1.0, 5: 5.0}}))
+    cfg = BatchConfig(max_sequences=4, max_tokens_per_sequence=64, goodput=True, step_token_budget=24)
+    engine = BatchEngine(target, _factory("oracle", target), cfg, cost_model=cost)
+    reqs = [Request(f"r{i}", p, n, GREEDY, stop_at_eos=False) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+    results, updates = _drive(engine, reqs, ARRIVE)
+    for i, p in enumerate(PROMPTS):
+        ref = _solo_vanilla(target, p, NEW[i])
+        assert results[f"r{i}"].tokens == ref, f"request {i}: {_margin_report(model, p, ref, results[f'r{i}'].tokens)}"
+    steps = [u.step for ups in updates.values() for u in ups if u.step is not None]
+    assert all(s.stats["batch_tree_tokens"] <= 24 and s.tree_size == s.stats["tree_budget"] for s in steps)
+    assert all("goodput_expected_tokens" in s.stats for s in steps)
+    if kind == "dear":
+        assert all(s.tree_size == 1 for s in steps)  # speculation turned off: it never pays
+    else:
+        assert sum(s.accepted for s in steps) > 0 and max(s.tree_size for s in steps) > 1
+
+
+def test_measure_batch_cost_on_the_target():
+    from speculation.goodput import measure_batch_cost
+
+    target = tiny_target(_model())
+    cost = measure_batch_cost(target, [1, 2], totals_per_seq=(1, 4), context=8, repeats=1)
+    assert set(cost.grid) == {1, 2} and set(cost.grid[2]) == {2, 8}
+    assert cost.cost(2, 4) > 0 and cost.cost(3, 100) > 0
+
+
+# ---------------------------------------------------------------------------- real weights
+def test_smollm2_batched_equals_solo_vanilla(smol_fp32):
+    """SmolLM2-135M fp32: three chat prompts batched (vanilla, then retrieval) equal their solo
+    vanilla output for 24 tokens; a mismatch shows the solo logit margin where it flipped."""
+    from speculation import assets
+
+    tok = smol_fp32.tokenizer
+    texts = ["Write a haiku about the sea.", "List three prime numbers and explain why they are prime.",
+             "Translate 'good morning, my friend' into French."]
+    prompts = [assets.encode_turn(tok, [], t) for t in texts]
+    refs = [_solo_vanilla(smol_fp32, p, 24, stop_at_eos=True) for p in prompts]
+    for name, factory in [("vanilla", None),
+                          ("retrieval", lambda: RetrievalDrafter(RetrievalConfig(budget=8, cost_aware=False),
+                                                                 smol_fp32.vocab_size))]:
+        engine = BatchEngine(smol_fp32, factory, BatchConfig(max_sequences=3, max_tokens_per_sequence=256))
+        res = engine.run([Request(f"r{i}", p, 24, GREEDY) for i, p in enumerate(prompts)])
+        for i, (p, ref) in enumerate(zip(prompts, refs)):
+            got = res[f"r{i}"].tokens
+            assert got == ref, f"{name}, prompt {i}: {_margin_report(smol_fp32.model, p, ref, got)}"

@@ -1,0 +1,384 @@
+"""Online adaptation (ALGORITHMS.md §8) on a tiny random Llama: feedback, updates, gate, rollback, Ray learner.
+
+Every drafter here is a real EAGLE-3 / SpecBlock head over a real (tiny) target; feedback comes from
+the real decode loop's hook, updates run the families' real losses, the learner is a real Ray actor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from adaptation.bandit import BanditConfig, CostAwareBandit, gate
+from adaptation.controller import AdaptationController, ControllerConfig, Outcome, Policy
+from adaptation.cost_model import CostConfig
+from adaptation.feedback import BufferConfig, FeedbackRecord, FeedbackSink, ReplayBuffer, SinkConfig
+from adaptation.gain import ReplayConfig, replay_units, replica, tau_of
+from adaptation.online import OnlineConfig, OnlineUpdater
+from adaptation.rollback import GuardConfig
+from speculation.config import ConfigError, EngineConfig, Eagle3Config, SamplingConfig, SpecBlockConfig
+from speculation.drafters.eagle3 import build_eagle3_drafter
+from speculation.drafters.specblock import build_specblock_drafter
+from speculation.engine import generate_speculative, generate_vanilla
+from tests.helpers import shared_tiny_llama, tiny_target
+from tests.ray_fixtures import ray_local, tiny_model_dir  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 64
+NEW_TOKENS = 48
+N_REQUESTS = 16
+GREEDY = EngineConfig(max_new_tokens=NEW_TOKENS, stop_at_eos=False, sampling=SamplingConfig(temperature=0.0))
+
+
+def _target():
+    return tiny_target(shared_tiny_llama(vocab_size=VOCAB, seed=42))
+
+
+def _drafter(family: str, target=None):
+    target = target or _target()
+    if family == "eagle3":
+        cfg = Eagle3Config(checkpoint="random", draft_vocab_size=VOCAB, total_tokens=20, depth=3, top_k=4)
+        return build_eagle3_drafter(cfg, target)
+    cfg = SpecBlockConfig(checkpoint="random", draft_vocab_size=VOCAB, block_size=4, max_blocks=2, beam=4,
+                          total_tokens=24)
+    return build_specblock_drafter(cfg, target)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 10))] for _ in range(n)]
+
+
+def _serve(target, drafter, prompts, sink: FeedbackSink, first_id: int = 0) -> list[list[int]]:
+    outs = []
+    for i, p in enumerate(prompts):
+        outs.append(generate_speculative(target, drafter, p, GREEDY, feedback=sink.hook(first_id + i)).tokens)
+        sink.end_request(first_id + i)
+        sink.drain()
+    return outs
+
+
+@functools.lru_cache(maxsize=2)
+def _feedback(family: str) -> tuple[list[FeedbackRecord], list[list[int]]]:
+    """Records of N_REQUESTS greedy requests served with an untrained head, and the outputs."""
+    target = _target()
+    records: list[FeedbackRecord] = []
+    sink = FeedbackSink(records.extend)
+    outs = _serve(target, _drafter(family, target), _prompts(N_REQUESTS), sink)
+    return records, outs
+
+
+@functools.lru_cache(maxsize=2)
+def _candidate(family: str):
+    """An update of the untrained head: 32 optimizer steps on the buffer's train part."""
+    drafter = _drafter(family)
+    return OnlineUpdater(drafter, OnlineConfig(lr=1e-3)).train(drafter.state_dict(), _buffer(family).train_sequences(), 32)
+
+
+def _buffer(family: str, heldout: int = 4) -> ReplayBuffer:
+    buf = ReplayBuffer(BufferConfig(heldout_sequences=heldout))
+    buf.add(_feedback(family)[0])
+    return buf
+
+
+# ---------------------------------------------------------------------- feedback
+def test_sink_drops_under_backpressure_without_blocking():
+    records = _feedback("eagle3")[0][:60]
+    release = threading.Event()
+    got: list[FeedbackRecord] = []
+
+    def slow_consumer(batch):
+        release.wait(10)
+        got.extend(batch)
+
+    sink = FeedbackSink(slow_consumer, SinkConfig(max_queue=4, batch_records=1)).start()
+    worst = 0.0
+    for r in records:
+        t0 = time.perf_counter()
+        sink.offer(r)
+        worst = max(worst, time.perf_counter() - t0)
+    assert worst < 0.05, f"offer blocked for {worst:.3f} s"
+    assert sink.stats.emitted == 60 and sink.stats.dropped >= 60 - 4 - 1
+    release.set()
+    sink.close(flush=True)
+    assert sink.stats.delivered == len(got) and sink.stats.delivered + sink.stats.dropped == 60
+    assert got == records[: len(got)]  # kept in order, the newest dropped
+
+
+def test_failing_consumer_never_raises_into_decode():
+    def broken(batch):
+        raise RuntimeError("learner is gone")
+
+    target = _target()
+    drafter = _drafter("eagle3", target)
+    sink = FeedbackSink(broken)
+    prompt = _prompts(1, seed=5)[0]
+    out = _serve(target, drafter, [prompt], sink)[0]
+    assert out == generate_vanilla(target, prompt, GREEDY).tokens
+    assert sink.stats.consumer_errors >= 1 and "learner is gone" in sink.stats.last_error
+
+
+def test_records_join_into_the_served_text_and_split_train_heldout():
+    records, outs = _feedback("eagle3")
+    buf = ReplayBuffer(BufferConfig(heldout_sequences=3))
+    buf.add(records)
+    train, held = buf.train_sequences(), buf.heldout_sequences()
+    assert len(train) == N_REQUESTS - 3 and len(held) == 3
+    for seq, out in zip(train + held, outs):  # oldest first: request order
+        # accepted paths + the last bonus = the generated text (the last step may verify past the limit)
+        assert seq.tokens.tolist()[: len(out)] == out and len(seq.tokens) <= NEW_TOKENS + 4
+        assert seq.aux.shape == (len(seq.tokens) - 1, 3 * 32)
+        assert not bool(seq.mistakes[0]) and int(seq.mistakes.sum()) == len(seq.step_tokens)
+    # bounded: the oldest requests are evicted whole, the held-out part is the freshest
+    small = ReplayBuffer(BufferConfig(max_records=100, heldout_sequences=2))
+    small.add(records)
+    assert len(small) <= 100
+    kept_ids = sorted({r.request_id for g in small._requests.values() for r in g})
+    assert kept_ids == list(range(N_REQUESTS - len(kept_ids), N_REQUESTS))
+    assert [s.tokens.tolist()[:NEW_TOKENS] for s in small.heldout_sequences()] == outs[-2:]
+    with pytest.raises(ConfigError, match="heldout_sequences"):
+        BufferConfig(heldout_sequences=0)
+
+
+def test_the_sink_itself_is_a_hook_that_tells_sequences_apart():
+    target = _target()
+    drafter = _drafter("eagle3", target)
+    records: list[FeedbackRecord] = []
+    sink = FeedbackSink(records.extend)
+    prompts = _prompts(2)
+    outs = [generate_speculative(target, drafter, p, GREEDY, feedback=sink).tokens for p in prompts]
+    sink.drain()
+    buf = ReplayBuffer(BufferConfig(heldout_sequences=1))
+    buf.add(records)
+    seqs = buf.train_sequences() + buf.heldout_sequences()
+    assert len(seqs) == 2 and [s.tokens.tolist()[:NEW_TOKENS] for s in seqs] == outs == _feedback("eagle3")[1][:2]
+
+
+# ---------------------------------------------------------------------- updates and gain
+@pytest.mark.parametrize("family", ["eagle3", "specblock"])
+def test_online_update_raises_heldout_replay_tau(family):
+    buf = _buffer(family)
+    drafter = _drafter(family)
+    held = buf.heldout_sequences()
+    live_tau = sum(sum(s.step_tokens) for s in held) / sum(len(s.step_tokens) for s in held)
+    rep = replica(drafter)
+    tau_old = tau_of(replay_units(rep, held, 16))
+    assert abs(tau_old - live_tau) < 0.15  # replay reproduces what serving saw (bf16 features)
+    result = _candidate(family)
+    assert result.steps == 32 and result.trained_rows > 0 and len(result.step_seconds) == 32
+    rep.load_state_dict(result.state)
+    tau_new = tau_of(replay_units(rep, held, 16))
+    assert tau_new > tau_old + 0.4, (tau_old, tau_new)
+    # the live drafter's weights were not touched by training a candidate
+    assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in _drafter(family).state_dict().items())
+
+
+def _controller(drafter, publish, **kw) -> AdaptationController:
+    base = dict(policy=Policy.COST_AWARE, decide_every_steps=10**9, bandit=BanditConfig(budgets=(0, 16)),
+                online=OnlineConfig(lr=1e-3), replay=ReplayConfig(chunk=16, bootstrap=200),
+                buffer=BufferConfig(heldout_sequences=4), guard=GuardConfig(window_steps=12, margin=0.1))
+    base.update(kw)
+    return AdaptationController(drafter, publish, ControllerConfig(**base))
+
+
+def test_gate_applies_when_gain_beats_cost_and_skips_otherwise():
+    assert gate(2.0, 1.0) and not gate(1.0, 2.0) and not gate(float("-inf"), 0.0)
+    drafter = _drafter("eagle3")
+    published = []
+    for horizon, expect in ((1e7, Outcome.APPLIED), (1e-3, Outcome.GATED)):
+        ctl = _controller(drafter, published.append, cost=CostConfig(default_sync_s=0.5))
+        ctl.add(_feedback("eagle3")[0])
+        ctl.horizon_tokens_override = horizon
+        d = ctl.round()
+        assert d.arm == 16 and d.outcome is expect, d
+        assert d.gain is not None and d.gain.tau_new > d.gain.tau_old
+        assert d.cost.total_s == pytest.approx(16 * ctl.cost.step_s * 1.0 + 0.5)  # kappa = 1 (blocking twin)
+        assert (d.gain.gain_lo_s > d.cost.total_s) == (expect is Outcome.APPLIED)
+    assert len(published) == 1  # only the applied round swapped weights
+    # a gated round costs its training time: the bandit learns it, skip (0) stays at 0
+    assert ctl.bandit.stats[16].mean < 0 and ctl.bandit.stats[0].mean == 0
+
+
+def test_cost_prices_contention_from_serving_steps_measured_idle_and_busy():
+    from adaptation.cost_model import UpdateCostModel
+
+    cm = UpdateCostModel(CostConfig(alpha=1.0, default_step_s=2.0, default_sync_s=0.3))
+    assert cm.cost(0).total_s == 0 and cm.cost(10).total_s == pytest.approx(10 * 2.0 * 1.0 + 0.3)  # unmeasured: kappa 1
+    cm.observe_serving_step(0.10, learner_busy=False)
+    cm.observe_serving_step(0.25, learner_busy=True)  # serving 2.5x slower while the learner trains
+    cm.observe_opt_steps([0.5, 0.5])
+    cm.observe_sync(0.02)
+    assert cm.contention == pytest.approx(0.6) and cm.serving_step_s == pytest.approx(0.10)
+    assert cm.cost(32).total_s == pytest.approx(32 * 0.5 * 0.6 + 0.02)
+
+
+def test_bandit_prefers_the_arm_with_the_best_net_reward():
+    bandit = CostAwareBandit(BanditConfig(budgets=(0, 32, 128), ucb_scale=0.1))
+    true_reward = {0: 0.0, 32: 1.0, 128: -2.0}
+    for _ in range(60):
+        arm = bandit.choose()
+        bandit.record(arm, true_reward[arm])
+    assert bandit.stats[32].pulls > 45
+    reg = bandit.regret()
+    assert reg["best_fixed_arm"] == 32 and 0 <= reg["regret_s"] < 6
+    with pytest.raises(ConfigError, match="budgets"):
+        BanditConfig(budgets=(32, 128))
+
+
+def test_rollback_restores_previous_weights_when_live_tau_collapses():
+    target = _target()
+    live = _drafter("eagle3", target)
+    live.load_state_dict(_candidate("eagle3").state)
+    ctl = _controller(live, live.load_state_dict, guard=GuardConfig(window_steps=30, margin=0.1))
+    ctl.weights = live.state_dict()
+    before = ctl.weights
+    sink = FeedbackSink(ctl.add)
+    prompts = _prompts(4)  # served before and after the swap: same text, so tau_pre vs tau_post is fair
+    _serve(target, live, prompts, sink, first_id=100)
+    # a deliberately harmful update: the draft LM head's rows shuffled (labels permuted)
+    harmful = dict(before)
+    perm = torch.randperm(harmful["lm_head.weight"].shape[0], generator=torch.Generator().manual_seed(0))
+    harmful["lm_head.weight"] = before["lm_head.weight"][perm]
+    applied = ctl.apply(harmful, 16, ctl.cost.cost(16))
+    assert applied.outcome is Outcome.APPLIED and applied.tau_pre > 1.25
+    outs = _serve(target, live, prompts, sink, first_id=200)
+    closing = [d for d in ctl.decisions if d.outcome in (Outcome.KEPT, Outcome.ROLLED_BACK)]
+    assert [d.outcome for d in closing] == [Outcome.ROLLED_BACK]
+    assert closing[0].tau_post < closing[0].tau_pre * 0.9 and closing[0].reward_s < 0
+    restored = live.state_dict()
+    assert restored.keys() == before.keys() and all(torch.equal(restored[k], before[k]) for k in before)
+    assert outs == _feedback("eagle3")[1][:4]  # lossless throughout
+
+
+def test_greedy_output_stays_lossless_across_mid_generation_swaps():
+    target = _target()
+    live = _drafter("eagle3", target)
+    swaps_at: list[int] = []
+    ctx_len = [0]
+
+    def publish(state):
+        live.load_state_dict(state)
+        swaps_at.append(ctx_len[0])
+
+    ctl = _controller(live, publish, policy=Policy.ALWAYS, decide_every_steps=3, fixed_budget=2)
+    ctl.add(_feedback("eagle3")[0])
+    sink = FeedbackSink(ctl.add)
+    for i, prompt in enumerate(_prompts(3, seed=21)):
+        hook = sink.hook(("live", i))
+
+        def feedback(ctx, outcome, _hook=hook):
+            ctx_len[0] = len(ctx.tokens)
+            _hook(ctx, outcome)
+            sink.drain()  # the controller trains and swaps right here, between two decode steps
+
+        out = generate_speculative(target, live, prompt, GREEDY, feedback=feedback).tokens
+        assert out == generate_vanilla(target, prompt, GREEDY).tokens
+    assert len(swaps_at) >= 6 and ctl.version == len(swaps_at)
+    assert any(n < len(p) + NEW_TOKENS - 1 for n, p in zip(swaps_at, _prompts(3, seed=21)))  # mid-generation
+
+
+# ---------------------------------------------------------------------- the Ray learner
+def test_learner_actor_pushes_weights_restarts_from_them_and_decode_survives(ray_local, tmp_path):  # noqa: F811
+    ray = ray_local
+    from speculation.drafters.base import DraftContext
+    from workers.drafter_worker import make_actor_class, pack_drafter
+    from workers.learner import RemoteFeed, SwapTarget, spawn_learner, wait_until_ready
+
+    target = _target()
+    live = _drafter("eagle3", target)
+    worker = make_actor_class(num_cpus=0).remote(VOCAB)
+    ray.get(worker.host.remote("s", pack_drafter(live)))
+    cfg = ControllerConfig(policy=Policy.ALWAYS, decide_every_steps=40, fixed_budget=4,
+                           buffer=BufferConfig(heldout_sequences=1), online=OnlineConfig(lr=1e-3))
+    learner = spawn_learner(live, cfg, tmp_path / "learner", targets=[SwapTarget(worker, "s")], max_restarts=2)
+    records = _feedback("eagle3")[0]
+    ray.get(learner.feed.remote(records[:200]))
+    version, weights = ray.get(learner.weights.remote())
+    assert version >= 1
+    assert any(not torch.equal(weights[k], v) for k, v in live.state_dict().items())
+    pid = ray.get(learner.pid.remote())
+
+    # the drafter worker swapped in the learner's weights: it drafts what a local twin with them drafts
+    prompt = _prompts(1, seed=41)[0]
+    state, _, aux = target.prefill(prompt, need_aux=True)
+    target.release(state)
+    ray.get(worker.begin.remote("s", [*prompt, 7], len(prompt), aux))
+    remote_tree = ray.get(worker.propose.remote("s", [])).tree
+    twin = replica(live, weights)
+    ctx = DraftContext(tokens=[*prompt, 7], prompt_len=len(prompt))
+    twin.begin(ctx, aux)
+    assert remote_tree.tokens == twin.propose(ctx).tree.tokens
+    assert remote_tree.parents == twin.propose(ctx).tree.parents
+    before = replica(live)  # the starting weights draft another tree here: the check can fail
+    before.begin(ctx, aux)
+    assert before.propose(ctx).tree.tokens != remote_tree.tokens
+
+    ray.kill(learner, no_restart=False)
+    # decode keeps going while the learner is down or restarting: feedback is dropped, never awaited
+    feed = RemoteFeed(learner, max_inflight=2)
+    sink = FeedbackSink(feed).start()
+    prompt = _prompts(1, seed=31)[0]
+    out = generate_speculative(target, live, prompt, GREEDY, feedback=sink.hook("during-kill")).tokens
+    sink.close(flush=True)
+    assert out == generate_vanilla(target, prompt, GREEDY).tokens
+
+    wait_until_ready(learner, timeout_s=300)  # a restart imports torch: slow on a loaded machine
+    v2, w2 = ray.get(learner.weights.remote())
+    assert ray.get(learner.pid.remote()) != pid
+    assert ray.get(learner.summary.remote())["restored"] == 1.0
+    assert v2 == version and all(torch.equal(w2[k], weights[k]) for k in weights)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="adapt.online.lr"):
+        OnlineConfig(lr=0)
+    with pytest.raises(ConfigError, match="adapt.guard.margin"):
+        GuardConfig(margin=1.5)
+    with pytest.raises(ConfigError, match="adapt.decide_every_steps"):
+        ControllerConfig(decide_every_steps=0)
+    with pytest.raises(ValueError):
+        Policy("sometimes")
+    with pytest.raises(ConfigError, match="adapt.replay.alpha"):
+        dataclasses.replace(ReplayConfig(), alpha=0.7)
+    with pytest.raises(ConfigError, match="adapt.sink.max_queue"):
+        SinkConfig(max_queue=0)
+
+
+# ---------------------------------------------------------------------- the CLI
+def test_adapt_bench_cli_runs_the_policies_and_logs_decisions(tiny_model_dir, tmp_path):  # noqa: F811
+    import json
+
+    import mlflow
+    import yaml
+
+    from graftblock.cli import main
+
+    cfg = tmp_path / "drafter.yaml"
+    cfg.write_text(yaml.safe_dump({"eagle3": {"checkpoint": "random", "draft_vocab_size": VOCAB,
+                                              "total_tokens": 12, "depth": 3, "top_k": 3}}))
+    out = tmp_path / "adapt.json"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rc = main(["adapt-bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--drafter", "eagle3",
+               "--config", str(cfg), "--policies", "static,always,cost_aware", "--phases", "chat,code",
+               "--requests-per-phase", "2", "--max-new-tokens", "24", "--max-prompt-tokens", "32",
+               "--decide-every-steps", "6", "--budgets", "0,4", "--fixed-budget", "4", "--guard-window", "4",
+               "--heldout", "1", "--json", str(out), "--tracking-uri", uri, "--experiment", "adapt-test"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    pol = res["policies"]
+    assert set(pol) == {"static", "always", "cost_aware"} and res["phases"] == ["chat", "code"]
+    assert all(p["lossless"] for p in pol.values())  # same greedy text whatever the updates did
+    assert pol["static"]["updates"] == 0 and pol["always"]["updates"] >= 1
+    assert pol["cost_aware"]["regret"] is not None and len(pol["always"]["tau_series"]) == 4
+    assert {"chat", "code"} == set(pol["always"]["per_phase"])
+    run = mlflow.MlflowClient(tracking_uri=uri).search_runs(
+        [mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name("adapt-test").experiment_id])[0]
+    assert run.data.metrics["always.updates"] == pol["always"]["updates"]
+    assert any(k.startswith("adapt.always.outcome.applied") for k in run.data.metrics)

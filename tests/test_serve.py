@@ -1,0 +1,472 @@
+"""The OpenAI-compatible server: a live ``graftblock serve`` on loopback, driven by the real ``openai`` client.
+
+The server runs as a subprocess (its own local Ray instance, Ray Serve's HTTP proxy on a free
+127.0.0.1 port) over a tiny random Llama saved to disk with a whitespace word tokenizer and a real
+chat template, in fp32, with the retrieval drafter. Its greedy outputs are compared token for token
+with the single-process twin (``generate_vanilla`` / ``generate_speculative`` on the same saved
+model). The word tokenizer makes text equality the same as token equality.
+
+* non-streamed and streamed chat and completions equal the twin; usage and the ``graftblock``
+  statistics field are filled in; concurrent requests each equal their solo output;
+* ``stop`` strings, ``stop_token_ids``, ``seed``;
+* bad input: 4xx with OpenAI error bodies (malformed JSON, unknown model, empty messages,
+  oversize prompt, negative / too large ``max_tokens``, unsupported fields, missing API key);
+* ``/health`` and ``/metrics``; a client that disconnects mid-stream frees its sequence at once;
+* SIGTERM drains an in-flight request and ends the MLflow serving run FINISHED;
+* in process (no HTTP): a stalled engine and a slow engine become clear errors, not hangs.
+
+Runtime: ~60-90 s on 2 CPUs (server start ~25 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+import pytest
+import torch
+import yaml
+
+from speculation.config import EngineConfig, SamplingConfig
+from speculation.engine import generate_speculative, generate_vanilla
+from tests.helpers import single_thread, tiny_llama
+from tests.ray_fixtures import RAY_TEST_ENV
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 64
+MODEL_NAME = "tiny"
+API_KEY = "test-key-123"
+MAX_PROMPT = 64
+MAX_TOKENS = 1500
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ 't1 ' if m['role'] == 'user' else ('t2 ' if m['role'] == 'assistant' else 't3 ') }}"
+    "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}t4{% endif %}"
+)
+
+
+def word_tokenizer():
+    """Word-level tokenizer over t0..t63 that splits on whitespace, with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``graftblock serve`` subprocess (own session, so its Ray processes are its own group)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model_dir = tmp / "model"
+        tiny_llama(vocab_size=VOCAB, max_position_embeddings=2048).save_pretrained(self.model_dir)
+        word_tokenizer().save_pretrained(self.model_dir)
+        self.port = free_port()
+        self.tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
+        self.config = {
+            "model": str(self.model_dir), "served_model_name": MODEL_NAME, "dtype": "float32",
+            "method": "retrieval", "methods": {"retrieval": {"budget": 8, "cost_aware": False}},
+            "host": "127.0.0.1", "port": self.port, "api_key": API_KEY,
+            "max_prompt_tokens": MAX_PROMPT, "max_tokens": MAX_TOKENS, "default_max_tokens": 16,
+            "max_sequences": 4, "request_timeout_s": 60.0, "drain_timeout_s": 30.0, "torch_threads": 1,
+            "replica_resources": {"CPU": 0}, "ray_num_cpus": 2, "tracking_uri": self.tracking_uri,
+            "experiment": "serve-test", "metrics_interval_s": 1.0,
+        }
+        self.config_path = tmp / "serve.yaml"
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        self.log_path = tmp / "server.log"
+        env = {**os.environ, **RAY_TEST_ENV}
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "graftblock", "serve", "--config", str(self.config_path)],
+            cwd=tmp, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
+            if "ready" in self.log_path.read_text():
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready in {timeout} s:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self, timeout: float = 90.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the server's own session: its Ray processes
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def twin(server):
+    """The single-process twin: the same saved model, in fp32, one torch thread."""
+    from speculation import assets
+    from speculation.target import TargetModel
+
+    model, tok = assets.load_model_and_tokenizer(str(server.model_dir), torch.float32)
+    return TargetModel(model, tok)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=60.0)
+
+
+def greedy(twin, ids: list[int], n: int) -> list[int]:
+    with single_thread():
+        return generate_vanilla(twin, ids, EngineConfig(max_new_tokens=n, sampling=SamplingConfig())).tokens
+
+
+def prompt_ids(seed: int, n: int = 24) -> list[int]:
+    """Repetitive prompts, so the retrieval drafter has something to propose."""
+    base = [(seed * 7 + 3 * k) % (VOCAB - 8) + 8 for k in range(4)]
+    return (base * n)[:n]
+
+
+# --------------------------------------------------------------------------- exactness
+def test_models_health_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    h = requests.get(server.base + "/health", timeout=30)
+    assert h.status_code == 200 and h.json()["status"] == "running" and h.json()["method"] == "retrieval"
+    r = requests.post(server.base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "t9"}, timeout=30)
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error"
+
+
+def test_completions_equal_single_process_twin(server, client, twin):
+    ids = prompt_ids(1)
+    ref = greedy(twin, ids, 40)
+    from speculation.drafters import build_drafter, resolve_methods
+
+    spec = resolve_methods(["retrieval"], server.config["methods"])[0]
+    with single_thread():
+        spec_out = generate_speculative(twin, build_drafter(spec, twin), ids, EngineConfig(max_new_tokens=40))
+    assert spec_out.tokens == ref  # the twin itself is lossless
+
+    resp = client.completions.create(model=MODEL_NAME, prompt=words(ids), max_tokens=40, temperature=0)
+    assert resp.choices[0].text == words(ref)
+    assert resp.choices[0].finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (24, 40, 64)
+    stats = resp.model_extra["graftblock"]
+    assert stats["method"] == "retrieval" and stats["verify_steps"] >= 1
+    assert stats["tau"] == pytest.approx((40 - 1) / stats["verify_steps"])  # first token comes from prefill
+    # token-id prompt, streamed
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=40, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == words(ref)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 40
+    assert chunks[-1].model_extra["graftblock"]["method"] == "retrieval"
+
+
+def test_chat_equals_single_process_twin(server, client, twin):
+    messages = [{"role": "system", "content": "t5 t6"}, {"role": "user", "content": words(prompt_ids(2, 12))}]
+    ids = twin.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert ids[:3] == [3, 5, 6] and ids[-1] == 4  # the template ran
+    ref = greedy(twin, list(ids), 32)
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=32, temperature=0)
+    assert resp.choices[0].message.content == words(ref)
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 32
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=32, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == words(ref)
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.total_tokens == len(ids) + 32
+
+
+def test_concurrent_requests_each_equal_their_solo_output(server, client, twin):
+    prompts = [prompt_ids(s, 10 + 2 * s) for s in range(6)]
+    lengths = [24 + 4 * s for s in range(6)]
+    refs = [greedy(twin, p, n) for p, n in zip(prompts, lengths)]
+
+    def one(i: int) -> str:
+        if i % 2:
+            chunks = client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=lengths[i],
+                                               temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks)
+        return client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=lengths[i],
+                                         temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(one, range(6)))
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out == words(ref), f"request {i} differs from its solo output"
+
+
+def test_stop_strings_stop_token_ids_and_seed(server, client, twin):
+    ids = prompt_ids(3)
+    ref = greedy(twin, ids, 30)
+    k = next(i for i in range(5, 30) if ref[i] not in ref[:i])  # a word whose first occurrence is at k
+    resp = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=30, temperature=0,
+                                     stop=[f" t{ref[k]}"])
+    assert resp.choices[0].text == words(ref[:k]) and resp.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=30, temperature=0,
+                                            stop=f" t{ref[k]}", stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == words(ref[:k])
+    resp = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=30, temperature=0,
+                                     extra_body={"stop_token_ids": [ref[k]]})
+    assert resp.choices[0].text == words(ref[:k]) and resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens == k + 1  # the stop token was generated, not shown
+    # sampling: a seed makes the output reproducible; different seeds differ (64-way random model)
+    def sample(seed):
+        return client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=24, temperature=1.0,
+                                         top_p=0.95, seed=seed, extra_body={"top_k": 40}).choices[0].text
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, None, "invalid_json"),
+    ("/v1/completions", b'[1, 2]', 400, None, "invalid_json"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "t1"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages", "missing_required_parameter"),
+    ("/v1/completions", {"model": "tiny", "prompt": " ".join(["t9"] * (MAX_PROMPT + 1))}, 400, "prompt",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "t1", "max_tokens": -5}, 400, "max_tokens", "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "t1", "max_tokens": MAX_TOKENS + 1}, 400, "max_tokens",
+     "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "t1", "n": 2}, 400, "n", "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "t1"}], "logprobs": True},
+     400, "logprobs", "unsupported_parameter"),
+    ("/v1/completions", {"model": "tiny", "prompt": "t1", "frobnicate": 1}, 400, "frobnicate",
+     "unrecognized_argument"),
+    ("/v1/completions", {"model": "tiny", "prompt": "t1", "temperature": 3.0}, 400, "temperature", "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 99]}, 400, "prompt", None),
+    ("/v1/completions", {"model": "tiny", "prompt": ["t1", "t2"]}, 400, "prompt", "unsupported_parameter"),
+])
+def test_bad_input_gets_openai_error_body(server, path, body, status, param, code):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = requests.post(server.base + path, data=content, headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param and err["code"] == code
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_openai_client_raises_on_unsupported(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="'n' = 3 is not supported"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "t1"}], n=3)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="t1")
+
+
+# --------------------------------------------------------------------------- disconnect, metrics
+def _metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    key = f"{name}{{{want}}}" if want else name
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            total += float(line.split()[-1])
+    return total
+
+
+def test_client_disconnect_frees_its_sequence(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    before = requests.get(server.base + "/metrics", timeout=30).text
+    body = {"model": MODEL_NAME, "prompt": prompt_ids(4), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    with requests.post(server.base + "/v1/completions", json=body, headers=headers, stream=True, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines(decode_unicode=True)
+        got = [next(lines) for _ in range(6)]
+        assert any(g.startswith("data: {") for g in got)
+    # the server notices the disconnect, aborts the sequence and frees its slot
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        h = requests.get(server.base + "/health", timeout=30).json()
+        if h["live_requests"] == 0:
+            break
+        time.sleep(0.2)
+    assert h["live_requests"] == 0
+    after = requests.get(server.base + "/metrics", timeout=30).text
+    made = _metric(after, "graftblock_generation_tokens_total", method="retrieval") - \
+        _metric(before, "graftblock_generation_tokens_total", method="retrieval")
+    assert 0 < made < MAX_TOKENS  # it stopped early: the abort, not the length limit
+    assert _metric(after, "graftblock_requests_total", endpoint="completions", outcome="cancelled") >= 1
+
+
+def test_metrics_endpoint(server, client):
+    client.completions.create(model=MODEL_NAME, prompt=prompt_ids(5), max_tokens=8, temperature=0)
+    text = requests.get(server.base + "/metrics", timeout=30).text
+    assert _metric(text, "graftblock_requests_total", endpoint="completions", outcome="length") >= 1
+    assert _metric(text, "graftblock_time_to_first_token_seconds_count") >= 1
+    assert _metric(text, "graftblock_inter_token_latency_seconds_count") >= 1
+    assert _metric(text, "graftblock_acceptance_length_count", method="retrieval") >= 1
+    assert _metric(text, "graftblock_prompt_tokens_total") >= 24
+    assert "graftblock_running_requests" in text and "graftblock_waiting_requests" in text
+
+
+# --------------------------------------------------------------------------- graceful shutdown (last)
+def test_sigterm_drains_in_flight_request_and_finishes_mlflow_run(server, client, twin):
+    ids = prompt_ids(6)
+    ref = greedy(twin, ids, 200)
+    out: dict = {}
+    first = threading.Event()
+
+    def consume():
+        text, last = "", None
+        for c in client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=200, temperature=0,
+                                           stream=True):
+            text += c.choices[0].text
+            first.set()
+            last = c
+        out["text"], out["finish"] = text, last.choices[0].finish_reason
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert first.wait(30)
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(90)
+    assert out.get("text") == words(ref) and out["finish"] == "length"  # drained, not cut
+    assert server.proc.wait(90) == 0
+
+    import mlflow
+
+    c = mlflow.MlflowClient(server.tracking_uri)
+    exp = c.get_experiment_by_name("serve-test")
+    runs = c.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["graftblock.kind"] == "serve"
+    assert run.data.params["method"] == "retrieval" and run.data.params["api_key"] == "***"
+    assert run.data.metrics["generated_tokens"] >= 200
+    assert "retrieval.tau" in run.data.metrics
+
+
+# --------------------------------------------------------------------------- in process: timeouts
+class _SlowDrafter:
+    """A real drafter (behind the protocol) whose ``propose`` waits ``delay_s`` or until ``release`` is set."""
+
+    name, needs_aux, target_topk = "slow", False, 0
+
+    def __init__(self, delay_s: float, release: threading.Event) -> None:
+        self.delay_s, self.release = delay_s, release
+
+    def begin(self, ctx, prompt_aux) -> None:
+        pass
+
+    def propose(self, ctx):
+        from speculation.drafters.base import Proposal
+        from speculation.tree import DraftTree
+
+        self.release.wait(self.delay_s)
+        return Proposal(tree=DraftTree(ctx.root_token), drafter_forwards=0)
+
+    def observe(self, ctx, outcome) -> None:
+        pass
+
+
+def _service(delay_s: float, release: threading.Event, **cfg):
+    from cluster.serve_app import OpenAIService
+    from cluster.serve_config import ServeConfig
+    from speculation.config import BatchConfig
+    from speculation.engine import BatchEngine
+    from speculation.target import TargetModel
+
+    target = TargetModel(tiny_llama(vocab_size=VOCAB, max_position_embeddings=2048), word_tokenizer())
+    config = ServeConfig(model="tiny", method="slow", max_prompt_tokens=64, max_tokens=256, mlflow=False, **cfg)
+    return OpenAIService(config, target.tokenizer, target.vocab_size, target.eos_token_ids,
+                         lambda: BatchEngine(target, lambda: _SlowDrafter(delay_s, release),
+                                             BatchConfig(max_sequences=2, max_tokens_per_sequence=512)),
+                         "slow", target.check_fits)
+
+
+def _complete(service, max_tokens: int):
+    body = json.dumps({"model": "tiny", "prompt": "t5 t6 t7", "max_tokens": max_tokens, "temperature": 0}).encode()
+
+    async def go():
+        t0 = time.monotonic()
+        try:
+            await service.completions(body)
+        except Exception as exc:  # the APIError under test
+            return exc, time.monotonic() - t0
+        return None, time.monotonic() - t0
+
+    return asyncio.run(go())
+
+
+def test_slow_engine_times_out_with_a_clear_error_and_frees_the_slot():
+    release = threading.Event()
+    service = _service(0.1, release, request_timeout_s=0.8, stall_timeout_s=30.0)
+    try:
+        with single_thread():
+            exc, took = _complete(service, 200)  # 200 steps x 0.1 s >> 0.8 s
+        assert exc is not None and exc.status == 504 and exc.code == "timeout", exc
+        assert "request_timeout_s = 0.8" in exc.message
+        assert took < 3.0
+        deadline = time.monotonic() + 5
+        while service.engine.live and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.engine.live == 0  # aborted: the slot is free
+    finally:
+        release.set()
+        assert service.shutdown()
+
+
+def test_stalled_engine_fails_requests_and_reports_unhealthy():
+    release = threading.Event()
+    service = _service(3600.0, release, request_timeout_s=60.0, stall_timeout_s=0.5)
+    try:
+        with single_thread():
+            exc, took = _complete(service, 20)
+        assert exc is not None and exc.status == 503 and exc.code == "engine_stalled", exc
+        assert took < 5.0
+        status, body = service.health()
+        assert status == 503 and body["status"] == "stalled"
+        with pytest.raises(RuntimeError, match="engine unhealthy"):
+            service.check_health()
+    finally:
+        release.set()
+        assert service.shutdown()

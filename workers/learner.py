@@ -1,0 +1,222 @@
+"""``Learner``: the online-adaptation controller hosted in a restartable Ray actor.
+
+The actor wraps :class:`~adaptation.controller.AdaptationController` (its single-process twin):
+
+* **Feedback** arrives as fire-and-forget ``learner.feed.remote(records)`` calls from a
+  :class:`~adaptation.feedback.FeedbackSink` whose consumer is a :class:`RemoteFeed`; the feed
+  keeps at most ``max_inflight`` calls outstanding and drops batches beyond that, so a busy (or
+  dead) learner never slows decode.
+* **Weights** are published with ``ray.put`` once per update and swapped by every registered
+  ``DrafterWorker`` (``swap_weights(slot, ref)``: Ray resolves the ref before the call, the swap
+  lands between decode steps); without workers the learner keeps them for callers that pull
+  (:meth:`Learner.weights`).
+* **Restarts.** Every published state is checkpointed (safetensors, written to a temporary file
+  and renamed) with its version; an actor restarted by Ray (``max_restarts``) reloads the last
+  one, so a killed learner resumes from the weights serving runs with. Decode does not depend on
+  the learner: its crash costs feedback, never tokens.
+
+Ask for ``num_cpus=0`` or a fraction (a long-lived actor must not pin the 2 CPUs).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from adaptation.controller import AdaptationController, ControllerConfig, Decision
+from adaptation.feedback import FeedbackRecord
+from adaptation.online import StateDict, TrainableDrafter
+
+WEIGHTS_FILE = "learner_weights.safetensors"
+VERSION_FILE = "learner_version.json"
+DRAFTER_FILE = "drafter.pkl"
+
+
+@dataclass(frozen=True)
+class SwapTarget:
+    """A drafter worker actor handle and the slot whose drafter the learner updates."""
+
+    worker: Any
+    slot: str
+
+
+class WeightsCheckpoint:
+    """The learner's last published weights on disk (module docstring, "Restarts")."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+
+    def save(self, state: StateDict, version: int) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / (WEIGHTS_FILE + ".tmp")
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp))
+        tmp.replace(self.dir / WEIGHTS_FILE)
+        vtmp = self.dir / (VERSION_FILE + ".tmp")
+        vtmp.write_text(json.dumps({"version": version}))
+        vtmp.replace(self.dir / VERSION_FILE)
+
+    def load(self) -> tuple[StateDict, int] | None:
+        w, v = self.dir / WEIGHTS_FILE, self.dir / VERSION_FILE
+        if not (w.is_file() and v.is_file()):
+            return None
+        return load_file(str(w)), int(json.loads(v.read_text())["version"])
+
+
+class Learner:
+    """The Ray-hosted learner (module docstring).
+
+    Args:
+        config: the controller's knobs.
+        checkpoint_dir: holds the drafter to adapt (``drafter.pkl``, written by
+            :func:`spawn_learner`: a restart reads it from disk, not from the object store, whose
+            copy of a large constructor argument may be gone by then) and the last published
+            weights.
+        targets: drafter workers to push weights to (may be empty: callers pull).
+        torch_threads: torch intra-op threads in the actor.
+    """
+
+    def __init__(self, config: ControllerConfig, checkpoint_dir: str, targets: Sequence[SwapTarget] = (),
+                 torch_threads: int | None = 1) -> None:
+        from ray import cloudpickle
+
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        drafter = cloudpickle.loads((Path(checkpoint_dir) / DRAFTER_FILE).read_bytes())
+        if not isinstance(drafter, TrainableDrafter):
+            raise TypeError(f"{type(drafter).__name__} is not a trainable feature drafter")
+        self.targets = list(targets)
+        self.checkpoint = WeightsCheckpoint(checkpoint_dir)
+        saved = self.checkpoint.load()
+        self.restored = saved is not None
+        self.controller = AdaptationController(drafter, self._publish, config,
+                                               weights=saved[0] if saved else None)
+        if saved is not None:
+            self.controller.version = saved[1]
+
+    def _publish(self, state: StateDict) -> None:
+        import ray
+
+        if self.targets:
+            ref = ray.put(state)
+            ray.get([t.worker.swap_weights.remote(t.slot, ref) for t in self.targets])
+        self.checkpoint.save(state, self.controller.version + 1)
+
+    # ------------------------------------------------------------------ calls
+    def feed(self, records: list[FeedbackRecord]) -> int:
+        """Take a feedback batch (fire-and-forget from the sink); returns decisions made."""
+        return len(self.controller.add(records))
+
+    def round(self) -> Decision:
+        """Run one decision round now."""
+        return self.controller.round()
+
+    def weights(self) -> tuple[int, StateDict]:
+        """(version, the live weights as last published)."""
+        return self.controller.version, self.controller.weights
+
+    def decisions(self) -> list[Decision]:
+        return list(self.controller.decisions)
+
+    def summary(self) -> dict[str, float]:
+        return {**self.controller.summary(), "restored": float(self.restored),
+                "buffered_records": float(len(self.controller.buffer))}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RemoteFeed:
+    """A :class:`~adaptation.feedback.FeedbackSink` consumer that forwards batches to a learner actor.
+
+    At most ``max_inflight`` ``feed`` calls are outstanding; a batch beyond that is dropped (counted
+    in ``dropped``), as is one whose call cannot even be submitted. Finished calls' errors (a
+    killed learner) are counted in ``failed`` and otherwise ignored.
+    """
+
+    def __init__(self, learner: Any, max_inflight: int = 4) -> None:
+        self.learner = learner
+        self.max_inflight = max_inflight
+        self._pending: deque[Any] = deque()
+        self.dropped = 0
+        self.failed = 0
+        self.sent = 0
+
+    def _reap(self) -> None:
+        import ray
+
+        if not self._pending:
+            return
+        done, rest = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+        self._pending = deque(rest)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                self.failed += 1
+
+    def __call__(self, batch: list[FeedbackRecord]) -> None:
+        import ray
+
+        self._reap()
+        if len(self._pending) >= self.max_inflight:
+            self.dropped += len(batch)
+            return
+        try:
+            self._pending.append(self.learner.feed.remote(batch))
+        except ray.exceptions.RayActorError:
+            self.dropped += len(batch)
+            return
+        self.sent += len(batch)
+
+
+def wait_until_ready(learner: Any, timeout_s: float = 120.0) -> None:
+    """Block until ``learner`` answers (e.g. after Ray restarted it); raises ``TimeoutError``."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(learner.pid.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the learner actor did not come back within {timeout_s} s") from None
+            time.sleep(0.5)
+
+
+def spawn_learner(drafter: TrainableDrafter, config: ControllerConfig, checkpoint_dir: str | Path,
+                  targets: Sequence[SwapTarget] = (), **options: Any) -> Any:
+    """Start a ``Learner`` actor for ``drafter`` (written to ``checkpoint_dir`` first, see
+    :class:`Learner`); ``options`` go to Ray (defaults of :func:`make_learner_class`)."""
+    from workers.drafter_worker import pack_drafter
+
+    directory = Path(checkpoint_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (DRAFTER_FILE + ".tmp")
+    tmp.write_bytes(pack_drafter(drafter))
+    tmp.replace(directory / DRAFTER_FILE)
+    return make_learner_class(**options).remote(config, str(directory), list(targets))
+
+
+def make_learner_class(**options):
+    """The ``Learner`` Ray actor class with ``options`` (default ``num_cpus=0``, ``max_restarts=3``)."""
+    opts = {"num_cpus": 0, "max_restarts": 3, **options}
+    return _remote_class().options(**opts)
+
+
+@functools.cache
+def _remote_class():
+    import ray
+
+    return ray.remote(Learner)
