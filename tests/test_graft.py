@@ -27,7 +27,7 @@ from speculation.config import (
 )
 from speculation.cost import VerifyCostModel, measure_cost_model
 from speculation.drafters import build_drafter, resolve_methods
-from speculation.drafters.base import DraftContext, StepOutcome
+from speculation.drafters.base import DraftContext, Proposal, StepOutcome
 from speculation.drafters.eagle3 import Eagle3Drafter
 from speculation.drafters.graft import (
     TREE_BUILDERS,
@@ -394,6 +394,7 @@ class StagedOracle:
     greedy). Draft scores are log 0.9 per level, so the beam mass stays confident."""
 
     name = "staged-oracle"
+    STANDALONE_DEPTH = 4
     needs_aux = False
     target_topk = 0
 
@@ -407,7 +408,9 @@ class StagedOracle:
         pass
 
     def propose(self, ctx):
-        raise NotImplementedError("Graft calls draft()")
+        """Standalone use: a chain of ``STANDALONE_DEPTH`` levels (Graft calls :meth:`draft`)."""
+        tree, forwards, _ = self.draft(ctx, self.STANDALONE_DEPTH, lambda levels, _s: levels >= self.STANDALONE_DEPTH)
+        return Proposal(tree, drafter_forwards=forwards)
 
     def draft(self, ctx, budget, stop=None):
         ref = self.refs[tuple(ctx.tokens[: ctx.prompt_len])]
@@ -536,3 +539,15 @@ def test_cost_model_interpolates_over_context_length_and_is_measured_per_context
     measured = measure_cost_model(_target(), max_size=4, repeats=1, contexts=(16, 64))
     assert measured.contexts == (16, 64) and measured.sizes == (1, 2, 4)
     assert all(s > 0 for row in measured.grid for s in row)
+
+
+def test_staged_oracle_alone_accepts_its_whole_chain():
+    """The test drafter above, used on its own: shift 0 drafts the reference, so every step accepts
+    all ``STANDALONE_DEPTH`` levels (until the end of the output); shift 1 is never accepted."""
+    target = _target()
+    refs = {tuple(p): generate_vanilla(target, p, GREEDY).tokens for p in PROMPTS}
+    for shift, accepted in ((0, StagedOracle.STANDALONE_DEPTH), (1, 0)):
+        for prompt in PROMPTS:
+            res = generate_speculative(target, StagedOracle(refs, shift), prompt, GREEDY)
+            assert res.tokens == refs[tuple(prompt)]
+            assert all(s.accepted == accepted for s in res.steps[:-1]), [s.accepted for s in res.steps]
