@@ -77,10 +77,11 @@ def _model():
     return shared_tiny_llama(vocab_size=VOCAB, seed=0, lm_head_scale=LM_HEAD_SCALE)
 
 
-@functools.lru_cache(maxsize=1)
-def exact_distribution() -> dict[tuple[int, ...], float]:
-    """``p*``: probability of every K-token continuation of PROMPT, by exhaustive enumeration."""
-    procs = V.build_processors(SAMPLING)
+@functools.lru_cache(maxsize=2)
+def exact_distribution(sampling: SamplingConfig = SAMPLING) -> dict[tuple[int, ...], float]:
+    """``p*``: probability of every K-token continuation of PROMPT under ``sampling``, by exhaustive
+    enumeration."""
+    procs = V.build_processors(sampling)
     model = _model()
     dist: dict[tuple[int, ...], float] = {}
 
@@ -321,30 +322,10 @@ def test_graft_settings_mix_every_stage_and_graft(name):
 SAMPLING_TOP_K = SamplingConfig(temperature=0.9, top_k=4)
 
 
-@functools.lru_cache(maxsize=1)
-def exact_distribution_top_k() -> dict[tuple[int, ...], float]:
-    """``p*`` under :data:`SAMPLING_TOP_K` (temperature + top-k, no top-p), by exhaustive enumeration."""
-    procs = V.build_processors(SAMPLING_TOP_K)
-    model = _model()
-    dist: dict[tuple[int, ...], float] = {}
-
-    def expand(seq: list[int], prob: float) -> None:
-        if len(seq) == len(PROMPT) + K:
-            dist[tuple(seq[len(PROMPT):])] = prob
-            return
-        p = V.target_probs(full_logits(model, seq)[-1:], procs)[0].double()
-        for tok in range(VOCAB):
-            if p[tok] > 0:
-                expand(seq + [tok], prob * float(p[tok]))
-
-    expand(list(PROMPT), 1.0)
-    return dist
-
-
 @pytest.mark.parametrize("name", ["graft_auto", "graft_specblock_auto"])
 def test_graft_top_k_sampling_is_lossless(name):
     """Top-k sampling (the loops above use temperature + top-p): Graft's samples follow p*."""
-    dist = exact_distribution_top_k()
+    dist = exact_distribution(SAMPLING_TOP_K)
     assert len({s[0] for s in dist}) <= 4 and len(dist) <= 4**K  # top-k really truncates
     target = tiny_target(_model())
     drafter = DRAFTERS[name](target)
