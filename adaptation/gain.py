@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adaptation.cost_model import Ema
 from adaptation.feedback import FeedbackRecord, FeedbackSequence
 from adaptation.online import StateDict, TrainableDrafter
 from speculation.config import ConfigError
@@ -191,9 +192,8 @@ class TrafficRate:
     """
 
     def __init__(self, alpha: float = 0.2, min_interval_s: float = 1.0) -> None:
-        self.alpha = alpha
         self.min_interval_s = min_interval_s
-        self.rate = math.nan
+        self.rate = Ema(alpha)
         self._t0: float | None = None
         self._tokens = 0
 
@@ -205,10 +205,9 @@ class TrafficRate:
             self._tokens += r.tokens_gained
             dt = r.wall_time - self._t0
             if dt >= self.min_interval_s:
-                x = self._tokens / dt
-                self.rate = x if math.isnan(self.rate) else self.rate + self.alpha * (x - self.rate)
+                self.rate.update(self._tokens / dt)
                 self._t0, self._tokens = r.wall_time, 0
 
     def horizon_tokens(self, horizon_s: float) -> float:
         """N = rate * horizon (0 before the first measured interval)."""
-        return 0.0 if math.isnan(self.rate) else self.rate * horizon_s
+        return self.rate.value * horizon_s if self.rate.known else 0.0
