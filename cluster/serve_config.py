@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from speculation.config import ConfigError, DType, to_dict
+from speculation.config import ConfigError, DType, load_yaml_mapping, to_dict
 
 #: The file that holds the embedded default serving config.
 LOCAL_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "ray_configs" / "serve_local.yaml"
@@ -181,12 +180,5 @@ def serve_config_from_dict(data: Mapping[str, Any] | None, where: str = "serve")
 def load_serve_config(path: str | Path | None) -> ServeConfig:
     """The config in YAML file ``path`` (None = the embedded default, ``ray_configs/serve_local.yaml``)."""
     p = Path(path) if path is not None else LOCAL_SERVE_CONFIG
-    if not p.exists():
-        raise ConfigError(f"--config: no such file {str(p)!r}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {p}: not valid YAML ({' '.join(str(exc).split())})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {p}: expected a mapping of serve option -> value")
+    data = load_yaml_mapping(p, "--config", "serve option -> value")
     return serve_config_from_dict(data, where=str(p))

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from speculation.config import ConfigError
 
@@ -177,14 +176,10 @@ class Topology:
 
 def load_topology(path: str | Path | None = None) -> Topology:
     """The topology in ``path`` (YAML), or the embedded default when None."""
-    from speculation.config import from_dict
+    from speculation.config import from_dict, load_yaml_mapping
 
     if path is None:
         return Topology()
     p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"topology: no such file {str(path)!r}")
-    data = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"topology {path}: expected a mapping of field -> value")
+    data = load_yaml_mapping(p, "topology", "field -> value")
     return from_dict(Topology, data, where=f"topology ({p.name})")

@@ -26,22 +26,11 @@ from pathlib import Path
 
 import yaml
 
-from speculation.config import BenchConfig, ConfigError, DType, EngineConfig, SamplingConfig
+from speculation.config import BenchConfig, ConfigError, DType, EngineConfig, SamplingConfig, load_yaml_mapping
 
 
 def _load_yaml(path: str | None) -> dict:
-    if not path:
-        return {}
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"--config: no such file {path!r}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of method name -> options")
-    return data
+    return load_yaml_mapping(path, "--config", "method name -> options") if path else {}
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

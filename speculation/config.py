@@ -381,6 +381,24 @@ class GraftConfig:
 T = TypeVar("T")
 
 
+
+def load_yaml_mapping(path: str | Path, what: str, expected: str) -> dict[str, Any]:
+    """The top-level mapping of YAML file ``path``, or a :class:`ConfigError` that names ``what``
+    (e.g. ``"--config"``) and the file: missing, not valid YAML, or not a mapping of ``expected``.
+    An empty file is an empty mapping."""
+    import yaml
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{what}: no such file {str(path)!r}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path}: expected a mapping of {expected}")
+    return data
+
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str | None = None) -> T:
     """Build dataclass ``cls`` from ``data``, rejecting unknown keys with a message naming them.
 
