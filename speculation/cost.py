@@ -31,13 +31,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from speculation.tree import DraftTree
+
 DEFAULT_CONTEXT = 256
 """The context length of the one-dimensional curve (``sizes``/``seconds``)."""
 DEFAULT_CONTEXTS = (64, DEFAULT_CONTEXT, 1024)
 """Context lengths c(T, L) is measured at by :func:`measure_cost_model` (those that fit the target)."""
 
 
-def _interp(xs: Sequence[int], ys: Sequence[float], x: float, extrapolate: bool) -> float:
+def interp(xs: Sequence[int], ys: Sequence[float], x: float, extrapolate: bool) -> float:
     """Piecewise-linear y(x); below the first point flat, beyond the last linear in the last
     (non-negative) slope when ``extrapolate``, else flat."""
     if x <= xs[0]:
@@ -105,9 +107,9 @@ class VerifyCostModel:
         """c(size, context): linear in size (in the last slope beyond the largest), linear in the
         context between measured lengths; ``context`` None (or no grid) uses the 1-D curve."""
         if context is None or not self.contexts:
-            return _interp(self.sizes, self.seconds, size, extrapolate=True)
-        per_ctx = [_interp(self.sizes, row, size, extrapolate=True) for row in self.grid]
-        return _interp(self.contexts, per_ctx, context, extrapolate=False)
+            return interp(self.sizes, self.seconds, size, extrapolate=True)
+        per_ctx = [interp(self.sizes, row, size, extrapolate=True) for row in self.grid]
+        return interp(self.contexts, per_ctx, context, extrapolate=False)
 
     def best_prefix(self, path_probs: Sequence[float], drafting_s: float = 0.0, context: int | None = None) -> int:
         """The n maximising ``(1 + sum(path_probs[:n])) / (c(n + 1, context) + drafting_s)``."""
@@ -119,6 +121,62 @@ class VerifyCostModel:
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
+
+
+class RankAcceptance:
+    """``a_r``: P(the drafter node of score rank r is on the accepted path), a Beta posterior.
+
+    Rank r keeps discounted counts (s_r accepted, n_r verified; both multiplied by ``decay`` before
+    each new observation of that rank, so the estimate tracks drift over ~1/(1-decay) steps) and the
+    posterior mean under a uniform Beta(1, 1) prior is ``(s_r + 1) / (n_r + 2)``. Only ranks that
+    were in the verified tree are observed: a rank the tree did not contain is no evidence either
+    way. Scores rank nodes best-first, so acceptance cannot rise with rank; the reported rates are
+    the running minimum of the posterior means (an unverified rank is never rated above the ranks
+    before it). Ranks at or beyond the most drafter nodes one call ever produced
+    (:meth:`observe_capacity`) are 0: such a node does not exist, so it cannot be accepted.
+    """
+
+    def __init__(self, size: int, decay: float = 0.995) -> None:
+        self.accepted = [0.0] * size
+        self.verified = [0.0] * size
+        self.decay = decay
+        self.capacity = 0
+        """Most drafter nodes one call produced so far (0 = none observed yet: every rank may exist)."""
+
+    @property
+    def rates(self) -> list[float]:
+        out, cap = [], 1.0
+        for r, (s, n) in enumerate(zip(self.accepted, self.verified)):
+            cap = 0.0 if self.capacity and r >= self.capacity else min(cap, (s + 1.0) / (n + 2.0))
+            out.append(cap)
+        return out
+
+    def observe_capacity(self, drafter_nodes: int) -> None:
+        """Record that one drafter call produced ``drafter_nodes`` nodes."""
+        self.capacity = max(self.capacity, drafter_nodes)
+
+    def update(self, ranked: list[tuple[int, bool]]) -> None:
+        """``ranked``: (rank, accepted?) of every drafter node of the verified tree."""
+        for r, ok in ranked:
+            if r < len(self.verified):
+                self.accepted[r] = self.decay * self.accepted[r] + float(ok)
+                self.verified[r] = self.decay * self.verified[r] + 1.0
+
+    def best_size(self, cost_model: VerifyCostModel, cap: int, drafting_s: float = 0.0,
+                  context: int | None = None) -> int:
+        """``argmax_T (1 + sum_{r < T-1} a_r) / (c(T, context) + drafting_s)`` over T in [2, cap]."""
+        return max(2, 1 + cost_model.best_prefix(self.rates[: cap - 1], drafting_s, context))
+
+    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
+        """Update from a verified ``tree`` whose draft nodes are ranked best-first by score (all
+        non-root nodes; the batch engine's per-sequence estimate) and its ``accepted`` node ids."""
+        acc = set(accepted)
+        order = sorted(range(1, len(tree)), key=lambda i: -tree.scores[i])
+        self.update([(r, node in acc) for r, node in enumerate(order)])
+
+    def estimate(self, n: int) -> list[float]:
+        """``a_0 .. a_{n-1}`` (non-increasing), at most :attr:`size` of them."""
+        return self.rates[:n]
 
 
 @runtime_checkable

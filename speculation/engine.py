@@ -32,7 +32,8 @@ import torch
 from speculation import verify as V
 from speculation.config import BatchConfig, EngineConfig, SamplingConfig
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
-from speculation.goodput import BatchCostModel, RankAcceptance, measure_batch_cost, split_budget
+from speculation.cost import RankAcceptance
+from speculation.goodput import BatchCostModel, measure_batch_cost, split_budget
 from speculation.target import ContextLengthError, SlotState, TargetModel, TreeForward
 from speculation.tree import DraftTree, NodeSource
 
@@ -623,7 +624,8 @@ class BatchEngine:
             commit = functools.partial(self.target.commit_slot, lv.state)
             kept, rec = lv.seq.settle(tree, fwd, commit, proposal, draft_s, forward_s,
                                       {**stats, "tree_budget": float(cap)})
-            lv.ranks.observe(tree, lv.seq.last_accepted)
+            if self._goodput:  # the estimate feeds only the goodput split
+                lv.ranks.observe(tree, lv.seq.last_accepted)
             rid = lv.request.request_id
             if lv.seq.finished is not None:
                 self.target.release_slot(lv.state)

@@ -21,14 +21,12 @@ and n = 0 overall (batched vanilla) is always a candidate, so speculation is nev
 predicted loss. ``d`` is the step's drafting seconds (spent before the split; it shifts nothing
 but the comparison with n = 0 is made on the whole step time).
 
-Acceptance by rank (:class:`RankAcceptance`): after each step, for every draft node in the
-verified tree at best-first rank r, ``q[r] <- (1 - a) q[r] + a [node accepted]`` (EMA, a = 0.2);
-ranks the tree did not contain are not updated. Prior ``q[r] = 0.6 * 0.8**r``.
+Acceptance by rank is the one estimator Graft uses too (:class:`~speculation.cost.RankAcceptance`:
+a discounted Beta posterior per best-first rank; ranks the tree did not contain are not updated).
 """
 
 from __future__ import annotations
 
-import bisect
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -36,26 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from speculation.cost import interp
 from speculation.tree import DraftTree
-
-PRIOR_FIRST = 0.6
-PRIOR_DECAY = 0.8
-EMA_RATE = 0.2
-
-
-def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear y(x): flat below the first point, last non-negative slope beyond the last."""
-    if x <= xs[0]:
-        return ys[0]
-    j = bisect.bisect_left(xs, x)
-    if j == len(xs):
-        if len(xs) == 1:
-            return ys[-1]
-        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
-        return ys[-1] + slope * (x - xs[-1])
-    x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
 
 @dataclass(frozen=True)
 class BatchCostModel:
@@ -78,30 +58,8 @@ class BatchCostModel:
         per_b = []
         for b in bs:
             ns = sorted(self.grid[b])
-            per_b.append(_interp(ns, [self.grid[b][n] for n in ns], total_tokens))
-        return _interp(bs, per_b, batch)
-
-
-class RankAcceptance:
-    """One sequence's acceptance-by-rank estimate ``q[r]`` (see the module docstring)."""
-
-    def __init__(self, max_rank: int) -> None:
-        self.q = [PRIOR_FIRST * PRIOR_DECAY**r for r in range(max_rank)]
-
-    def estimate(self, n: int) -> list[float]:
-        """``q[0..n)``, made non-increasing (a running minimum)."""
-        out, lo = [], 1.0
-        for r in range(min(n, len(self.q))):
-            lo = min(lo, self.q[r])
-            out.append(lo)
-        return out
-
-    def observe(self, tree: DraftTree, accepted: list[int]) -> None:
-        """Update the ranks present in the verified ``tree`` (best-first by score)."""
-        acc = set(accepted)
-        order = sorted(range(1, len(tree)), key=lambda i: -tree.scores[i])
-        for r, node in enumerate(order[: len(self.q)]):
-            self.q[r] += EMA_RATE * ((1.0 if node in acc else 0.0) - self.q[r])
+            per_b.append(interp(ns, [self.grid[b][n] for n in ns], total_tokens, extrapolate=True))
+        return interp(bs, per_b, batch, extrapolate=False)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from speculation.config import (
     SamplingConfig,
     to_dict,
 )
-from speculation.cost import VerifyCostModel, measure_cost_model
+from speculation.cost import RankAcceptance, VerifyCostModel, measure_cost_model
 from speculation.drafters import build_drafter, resolve_methods
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome
 from speculation.drafters.eagle3 import Eagle3Drafter
@@ -35,7 +35,6 @@ from speculation.drafters.graft import (
     GateVerdict,
     GraftDrafter,
     GraftSource,
-    RankAcceptance,
     build_graft_drafter,
     graft,
     graft_anchored,

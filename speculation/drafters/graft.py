@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from speculation.config import ConfigError, GraftConfig
-from speculation.cost import VerifyCostModel, measure_cost_model
+from speculation.cost import RankAcceptance, VerifyCostModel, measure_cost_model
 from speculation.drafters.base import DraftContext, Proposal, StagedDrafter, StepOutcome
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
@@ -82,51 +82,6 @@ class StageTemplate:
     k_max: int
     drafter_nodes: int
     graft_capacity: int
-
-
-class RankAcceptance:
-    """``a_r``: P(the drafter node of score rank r is on the accepted path), a Beta posterior.
-
-    Rank r keeps discounted counts (s_r accepted, n_r verified; both multiplied by ``decay`` before
-    each new observation of that rank, so the estimate tracks drift over ~1/(1-decay) steps) and the
-    posterior mean under a uniform Beta(1, 1) prior is ``(s_r + 1) / (n_r + 2)``. Only ranks that
-    were in the verified tree are observed: a rank the tree did not contain is no evidence either
-    way. Scores rank nodes best-first, so acceptance cannot rise with rank; the reported rates are
-    the running minimum of the posterior means (an unverified rank is never rated above the ranks
-    before it). Ranks at or beyond the most drafter nodes one call ever produced
-    (:meth:`observe_capacity`) are 0: such a node does not exist, so it cannot be accepted.
-    """
-
-    def __init__(self, size: int, decay: float = 0.995) -> None:
-        self.accepted = [0.0] * size
-        self.verified = [0.0] * size
-        self.decay = decay
-        self.capacity = 0
-        """Most drafter nodes one call produced so far (0 = none observed yet: every rank may exist)."""
-
-    @property
-    def rates(self) -> list[float]:
-        out, cap = [], 1.0
-        for r, (s, n) in enumerate(zip(self.accepted, self.verified)):
-            cap = 0.0 if self.capacity and r >= self.capacity else min(cap, (s + 1.0) / (n + 2.0))
-            out.append(cap)
-        return out
-
-    def observe_capacity(self, drafter_nodes: int) -> None:
-        """Record that one drafter call produced ``drafter_nodes`` nodes."""
-        self.capacity = max(self.capacity, drafter_nodes)
-
-    def update(self, ranked: list[tuple[int, bool]]) -> None:
-        """``ranked``: (rank, accepted?) of every drafter node of the verified tree."""
-        for r, ok in ranked:
-            if r < len(self.verified):
-                self.accepted[r] = self.decay * self.accepted[r] + float(ok)
-                self.verified[r] = self.decay * self.verified[r] + 1.0
-
-    def best_size(self, cost_model: VerifyCostModel, cap: int, drafting_s: float = 0.0,
-                  context: int | None = None) -> int:
-        """``argmax_T (1 + sum_{r < T-1} a_r) / (c(T, context) + drafting_s)`` over T in [2, cap]."""
-        return max(2, 1 + cost_model.best_prefix(self.rates[: cap - 1], drafting_s, context))
 
 
 class StageTiming:
