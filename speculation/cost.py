@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from speculation.tree import DraftTree
+from speculation.tree import DraftTree, NodeSource
 
 DEFAULT_CONTEXT = 256
 """The context length of the one-dimensional curve (``sizes``/``seconds``)."""
@@ -193,13 +193,22 @@ def _synchronize(target: Any) -> None:
         torch.cuda.synchronize(target.device)
 
 
+def random_tree(size: int, vocab: int, gen: torch.Generator, max_children: int = 4) -> DraftTree:
+    """A random tree of exactly ``size`` nodes (root included) with distinct sibling tokens."""
+    tree = DraftTree(int(torch.randint(vocab, (1,), generator=gen)))
+    while len(tree) < size:
+        parent = int(torch.randint(len(tree), (1,), generator=gen))
+        if len(tree.children(parent)) >= max_children:
+            continue
+        tree.add(parent, int(torch.randint(vocab, (1,), generator=gen)), -float(len(tree)), NodeSource.DRAFTER)
+    return tree
+
+
 def measure_at_context(
     target: Any, sizes: Sequence[int], context: int, repeats: int = 5, warmup: int = 2, seed: int = 0
 ) -> dict[int, float]:
     """Median seconds of ``verify`` + ``commit`` (root kept) per tree size, over a committed
     random prefix of ``context`` tokens (restored after each repeat), synchronised on CUDA."""
-    from speculation.bench.verify_curve import random_tree
-
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(target.vocab_size, (context,), generator=gen).tolist()
     state, _, _ = target.prefill(prompt)

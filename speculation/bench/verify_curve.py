@@ -8,27 +8,14 @@ tree shape (the cost depends on T, not on the shape), median of ``repeats`` afte
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
-import torch
-
+from speculation.cost import measure_at_context, random_tree
 from speculation.engine import TargetBackend
-from speculation.tree import DraftTree, NodeSource
+
+__all__ = ["DEFAULT_SIZES", "measure", "random_tree"]
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def random_tree(size: int, vocab: int, gen: torch.Generator, max_children: int = 4) -> DraftTree:
-    """A random tree of exactly ``size`` nodes (root included) with distinct sibling tokens."""
-    tree = DraftTree(int(torch.randint(vocab, (1,), generator=gen)))
-    while len(tree) < size:
-        parent = int(torch.randint(len(tree), (1,), generator=gen))
-        if len(tree.children(parent)) >= max_children:
-            continue
-        tree.add(parent, int(torch.randint(vocab, (1,), generator=gen)), -float(len(tree)), NodeSource.DRAFTER)
-    return tree
 
 
 def measure(
@@ -39,24 +26,6 @@ def measure(
     warmup: int = 2,
     seed: int = 0,
 ) -> dict[int, float]:
-    """Median seconds of ``verify`` + ``commit`` (root kept) for each tree size in ``sizes``."""
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(target.vocab_size, (context,), generator=gen).tolist()
-    state, _, _ = target.prefill(prompt)
-    out = {}
-    try:
-        for size in sizes:
-            tree = random_tree(size, target.vocab_size, gen)
-            times = []
-            for i in range(warmup + repeats):
-                t0 = time.perf_counter()
-                target.verify(state, tree)
-                target.commit(state, tree, [0])
-                dt = time.perf_counter() - t0
-                target.truncate(state, context)  # same context length for every repeat
-                if i >= warmup:
-                    times.append(dt)
-            out[size] = statistics.median(times)
-    finally:
-        target.release(state)
-    return out
+    """Median seconds of ``verify`` + ``commit`` (root kept) for each tree size in ``sizes``
+    (:func:`speculation.cost.measure_at_context`: synchronised on CUDA targets)."""
+    return measure_at_context(target, sizes, context, repeats=repeats, warmup=warmup, seed=seed)
