@@ -43,7 +43,7 @@ from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import SpecBlockDrafter
 from speculation.engine import generate_speculative, generate_vanilla
 from speculation.tree import ROOT, DraftTree, NodeSource
-from tests.helpers import RecordingDrafter, shared_tiny_llama, tiny_target
+from tests.helpers import RecordingDrafter, assert_lossless_on_refs, shared_tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -425,6 +425,11 @@ class StagedOracle:
         return tree.pruned_to(keep), levels, levels
 
 
+def _refs(target) -> tuple[EngineConfig, list[list[int]], list[list[int]]]:
+    """(config, prompts, vanilla outputs) of :data:`PROMPTS`, for :func:`assert_lossless_on_refs`."""
+    return GREEDY, PROMPTS, [generate_vanilla(target, p, GREEDY).tokens for p in PROMPTS]
+
+
 def _oracle_graft(target, shift: int, prompts, **kw) -> GraftDrafter:
     refs = {tuple(p): generate_vanilla(target, p, GREEDY).tokens for p in prompts}
     cfg = GraftConfig(**TINY, **kw)
@@ -460,15 +465,10 @@ def test_grafting_the_freed_slots_raises_acceptance_over_pruning_alone():
     no stage 0) accept more tokens per step when retrieved tokens fill the freed slots."""
     target = _target()
 
+    refs = _refs(target)
+
     def tau(**kw) -> float:
-        d = _drafter(target, stages=[1], stage_budgets=[4], dense_budget=16, **kw)
-        gained = steps = 0
-        for prompt in PROMPTS:
-            res = generate_speculative(target, d, prompt, GREEDY)
-            assert res.tokens == generate_vanilla(target, prompt, GREEDY).tokens
-            gained += sum(s.tokens_gained for s in res.steps)
-            steps += len(res.steps)
-        return gained / steps
+        return assert_lossless_on_refs(target, _drafter(target, stages=[1], stage_budgets=[4], dense_budget=16, **kw), refs)
 
     pruned, grafted = tau(graft_budget=0), tau(graft_budget=11)
     assert grafted > 1.2 * pruned, (pruned, grafted)
@@ -480,15 +480,11 @@ def test_anchored_grafts_are_accepted_beyond_pruned_leaves():
     root-anchored grafting alone."""
     target = _target()
 
+    refs = _refs(target)
+
     def run(anchors: int) -> tuple[float, GraftDrafter]:
         d = _oracle_graft(target, 0, PROMPTS, stages=(1,), stage_budgets=(1,), dense_budget=12, graft_anchors=anchors)
-        gained = steps = 0
-        for prompt in PROMPTS:
-            res = generate_speculative(target, d, prompt, GREEDY)
-            assert res.tokens == generate_vanilla(target, prompt, GREEDY).tokens
-            gained += sum(s.tokens_gained for s in res.steps)
-            steps += len(res.steps)
-        return gained / steps, d
+        return assert_lossless_on_refs(target, d, refs), d
 
     tau_root, root_only = run(0)
     tau_anchored, anchored = run(4)
