@@ -55,6 +55,9 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, help="YAML: drafter name -> options (as for bench)")
     p.add_argument("--policies", default="static,always,periodic,cost_aware")
     p.add_argument("--phases", default="chat,code,math,translation")
+    p.add_argument("--dataset", default="spec_bench",
+                   help="spec_bench, or a jsonl in Spec-Bench's question format whose categories include "
+                        "the phases' (see PHASE_CATEGORIES)")
     p.add_argument("--requests-per-phase", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=0,
@@ -90,10 +93,11 @@ class _PolicyRun:
     decisions: list[Any] = field(default_factory=list)
 
 
-def _stream(tokenizer, phases: list[str], per_phase: int, max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
+def _stream(tokenizer, dataset: str, phases: list[str], per_phase: int,
+            max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
     from speculation import assets
 
-    questions = assets.load_questions("spec_bench")
+    questions = assets.load_questions(dataset)
     out: list[tuple[str, list[int]]] = []
     for phase in phases:
         pools = [[q for q in questions if q.category == c] for c in PHASE_CATEGORIES[phase]]
@@ -174,7 +178,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
 
         log = AdaptationLog(args.experiment, args.tracking_uri)
     target = _load_target(args.model, args.dtype)
-    stream = _stream(target.tokenizer, phases, args.requests_per_phase, args.max_prompt_tokens)
+    stream = _stream(target.tokenizer, args.dataset, phases, args.requests_per_phase, args.max_prompt_tokens)
     spec = resolve_methods([args.drafter], _load_yaml(args.config))[0]
     engine = EngineConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=True, sampling=SamplingConfig(temperature=0.0))
     base = dict(
@@ -186,7 +190,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     )
     if log is not None:
         log.log_params({"model": args.model, "dtype": args.dtype, "drafter": args.drafter, "policies": args.policies,
-                        "phases": args.phases, "requests_per_phase": args.requests_per_phase,
+                        "phases": args.phases, "dataset": args.dataset, "requests_per_phase": args.requests_per_phase,
                         "max_new_tokens": args.max_new_tokens, "controller": _jsonable(ControllerConfig(**base))})
     runs: list[_PolicyRun] = []
     for name in policies:

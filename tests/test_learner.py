@@ -363,9 +363,14 @@ def test_adapt_bench_cli_runs_the_policies_and_logs_decisions(tiny_model_dir, tm
     cfg = tmp_path / "drafter.yaml"
     cfg.write_text(yaml.safe_dump({"eagle3": {"checkpoint": "random", "draft_vocab_size": VOCAB,
                                               "total_tokens": 12, "depth": 3, "top_k": 3}}))
+    questions = tmp_path / "questions.jsonl"  # Spec-Bench's format; two categories per phase used
+    questions.write_text("".join(
+        json.dumps({"question_id": i, "category": cat, "turns": [f"t{3 * i} t{3 * i + 1} t{3 * i + 2} t{i}"]}) + "\n"
+        for i, cat in enumerate(["writing", "roleplay", "coding", "coding"])))
     out = tmp_path / "adapt.json"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     rc = main(["adapt-bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--drafter", "eagle3",
+               "--dataset", str(questions),
                "--config", str(cfg), "--policies", "static,always,cost_aware", "--phases", "chat,code",
                "--requests-per-phase", "2", "--max-new-tokens", "24", "--max-prompt-tokens", "32",
                "--decide-every-steps", "6", "--budgets", "0,4", "--fixed-budget", "4", "--guard-window", "4",
