@@ -5,7 +5,8 @@
 
 For a bench JSON it writes ``<stem>_pareto.png`` (speedup against mean verified tree size, one
 point per method, the Pareto front joined) and ``<stem>_acceptance.png`` (acceptance per depth
-of every tree method). For a drafter manifest it writes ``<stem>_tau_curve.png`` under
+of every tree method), and, when the run had `--concurrency`, ``<stem>_concurrency.png`` (total
+tokens/s against N per method). For a drafter manifest it writes ``<stem>_tau_curve.png`` under
 ``benchmarks/results/`` (held-out tau against training tokens).
 """
 
@@ -62,7 +63,29 @@ def plot_bench(path: Path) -> list[Path]:
     ax.set_ylabel("P(accepted >= d | tree reached d)")
     ax.set_ylim(0, 1)
     acceptance = _save(fig, ax, title, path.with_name(f"{path.stem}_acceptance.png"))
-    return [pareto, acceptance]
+    written = [pareto, acceptance]
+    if res.get("concurrency"):
+        written.append(plot_concurrency(res, title, path.with_name(f"{path.stem}_concurrency.png")))
+    return written
+
+
+def plot_concurrency(res: dict, title: str, out: Path) -> Path:
+    """Total output tokens/s against the number of concurrent clients, one line per method/peer."""
+    levels = sorted(res["concurrency"], key=int)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for n in levels:
+        level = res["concurrency"][n]
+        rows = list(level["methods"].items()) + [(f"peer: {k}", v) for k, v in level.get("peers", {}).items()]
+        for name, m in rows:
+            series.setdefault(name, []).append((int(n), m["tokens_per_s"]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for name, pts in series.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([int(n) for n in levels], [str(n) for n in levels])
+    ax.set_xlabel("concurrent clients N")
+    ax.set_ylabel("total output tokens/s")
+    return _save(fig, ax, title, out)
 
 
 def plot_tau_curve(manifest: Path) -> Path:

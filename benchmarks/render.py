@@ -30,6 +30,9 @@ SECTIONS: dict[str, str] = {
     "verify_curve": "Verify cost curve c(T)",
     "ray_overhead": "Ray actor path: per-step overhead of sharding",
     "retrieval_scaling": "Retrieval proposal cost against context length",
+    "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
+    "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
+    "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
 }
 
 HEADER = """# Benchmarks
@@ -119,6 +122,50 @@ def render_bench(res: dict) -> list[str]:
             else:
                 cells.append(f"{_f(pc['speedup'], 2, '×')} ({_f(pc['tau'])})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ms(v) -> str:
+    return "–" if v is None else f"{1000 * v:.0f}"
+
+
+def render_concurrency(res: dict) -> list[str]:
+    """Closed-loop concurrency: per N and method, throughput, latency percentiles, tau, budget split."""
+    lines = ["", "Closed-loop clients over the batched engine (first turns; each client sends its next prompt "
+             "when its request ends). Speedup is against batched vanilla at the same N; the HF peer is "
+             "`generate` on left-padded static batches of N (not streamed, so no TTFT/ITL).", "",
+             "| N | method | tok/s | speedup | request tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tau | "
+             "tree tokens / seq step | lossless |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, level in res["concurrency"].items():
+        rows = list(level["methods"].items()) + [(f"peer: {k}", v) for k, v in level.get("peers", {}).items()]
+        for name, m in rows:
+            lines.append(
+                f"| {n} | {name} | {_f(m['tokens_per_s'], 1)} | {_f(m['speedup'], 2, '×')} | "
+                f"{_f(m['request_tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} | "
+                f"{_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {_f(m.get('tau'))} | "
+                f"{_f(m.get('mean_tree_tokens_per_seq_step'), 1)} | {_f(m.get('lossless'))} |")
+    return lines
+
+
+def render_serve_load(res: dict) -> list[str]:
+    """A live server under N streaming ``openai`` clients, against the offline batched engine."""
+    srv = res.get("server", {})
+    lines = [f"Server: model **{srv.get('model', res.get('model'))}**, dtype **{srv.get('dtype', '?')}**, method "
+             f"`{srv.get('method', '?')}`, {srv.get('max_sequences', '?')} sequences per step; {res['clients']} "
+             f"closed-loop streaming clients, greedy, {res['max_tokens']} max tokens, dataset `{res['dataset']}`.", "",
+             "| run | requests | errors | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT ms | tau |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| serving | {res['requests_done']} | {res['errors']} | {_f(res['output_tokens_per_s'], 1)} | "
+             f"{_ms(res['ttft_p50_s'])} / {_ms(res['ttft_p99_s'])} | {_ms(res['itl_p50_s'])} / {_ms(res['itl_p99_s'])} | "
+             f"{_ms(res.get('tpot_mean_s'))} | {_f(res.get('tau_mean'))} |"]
+    off = res.get("offline")
+    if off:
+        lines.append(f"| offline batched engine ({off['method']}, N={res['clients']}) | {off['n_prompts']} | 0 | "
+                     f"{_f(off['tokens_per_s'], 1)} | {_ms(off['ttft_p50_s'])} / {_ms(off['ttft_p99_s'])} | "
+                     f"{_ms(off['itl_p50_s'])} / {_ms(off['itl_p99_s'])} | – | {_f(off.get('tau'))} |")
+        lines += ["", f"Serving throughput / offline throughput: **{_f(res['serving_over_offline'], 2)}** "
+                      f"(target ≥ 0.80)."]
     return lines
 
 
@@ -219,10 +266,14 @@ def main() -> int:
             out += render_scaling(res)
         elif kind == "specblock_grad_terms":
             out += render_grad_terms(res)
+        elif kind == "serve_load":
+            out += render_serve_load(res)
         elif "methods" in res:
             out += render_bench(res)
             if any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values()):
                 out += render_drafter_details(res)
+            if res.get("concurrency"):
+                out += render_concurrency(res)
         for png in sorted(RESULTS.glob(f"{path.stem}*.png")):
             out += ["", f"![{png.stem}]({png.relative_to(ROOT)})"]
         note = notes_dir / f"{path.stem}.md"

@@ -15,7 +15,10 @@ until ``--seconds`` pass or ``--max-requests`` were sent (both bound the run). R
 * ``itl_p50_s`` / ``itl_p99_s``: gaps between successive content chunks (a speculative step may
   bring several tokens in one chunk);
 * ``tpot_mean_s``: per request (last - first content chunk) / (completion tokens - 1), averaged;
-* ``tau_mean``: the server's ``graftblock.tau`` averaged over requests; ``errors`` with messages.
+* ``tau_mean``: the server's ``graftblock.tau`` averaged over requests; ``errors`` with messages;
+* with ``--offline-baseline``: ``offline`` (the in-process batched engine on the server's config at
+  the same concurrency, after the server stopped) and ``serving_over_offline`` (the ratio of the two
+  throughputs: 1 − it is the serving overhead).
 """
 
 from __future__ import annotations
@@ -121,6 +124,32 @@ async def run_load(args, prompts: list[str]) -> dict:
     }
 
 
+def offline_baseline(serve_config: str, dataset: str, n_prompts: int, clients: int, max_tokens: int) -> dict:
+    """The offline batched engine on the server's own config, at ``clients`` concurrent sequences.
+
+    Same model, dtype, method and batch options as the server (read from ``serve_config``), the
+    same first ``n_prompts`` first turns, greedy, ``max_tokens`` each; closed-loop clients over
+    :class:`~speculation.engine.BatchEngine` in this process (``run_concurrency``). It runs after
+    the server has stopped, so the two never share the cores.
+    """
+    from cluster.serve_config import load_serve_config
+    from speculation import assets
+    from speculation.bench.runner import run_concurrency
+    from speculation.config import BenchConfig, SamplingConfig
+    from speculation.target import TargetModel
+
+    cfg = load_serve_config(serve_config)
+    questions = assets.load_questions(dataset)[: max(n_prompts, clients)]
+    model, tokenizer = assets.load_model_and_tokenizer(cfg.model, cfg.dtype.torch)
+    target = TargetModel(model, tokenizer)
+    bench = BenchConfig(methods=(cfg.method,), model=cfg.model, dtype=cfg.dtype.value, dataset=dataset,
+                        max_new_tokens=max_tokens, sampling=SamplingConfig(), warmup=0, max_turns=1)
+    level = run_concurrency(bench, target, questions, [clients], cfg.methods or None,
+                            goodput=bool(cfg.batch.get("goodput", False)))[str(clients)]
+    name = cfg.method if cfg.method in level["methods"] else "vanilla"
+    return {"method": name, "n_prompts": len(questions), **level["methods"][name]}
+
+
 def load_prompts(dataset: str, limit: int) -> list[str]:
     from speculation import assets
 
@@ -164,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--dataset", default="spec_bench", help="spec_bench | a packaged dataset | PATH.jsonl")
     p.add_argument("--json", default=None, help="write the result here (also printed)")
+    p.add_argument("--offline-baseline", action="store_true",
+                   help="with --serve-config: after the server stops, run the offline batched engine on the "
+                        "same config, prompts and concurrency, and report serving/offline throughput")
     args = p.parse_args(argv)
+    if args.offline_baseline and not args.serve_config:
+        p.error("--offline-baseline needs --serve-config (the offline run uses the server's model, dtype and method)")
     for name in ("clients", "max_requests", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -193,6 +227,22 @@ def main(argv: list[str] | None = None) -> int:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
     result["dataset"] = args.dataset
+    result["kind"] = "serve_load"
+    result["command"] = "benchmarks/serve_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.serve_config:
+        from cluster.serve_config import load_serve_config
+
+        cfg = load_serve_config(args.serve_config)
+        result["server"] = {"model": cfg.model, "dtype": cfg.dtype.value, "method": cfg.method,
+                            "max_sequences": cfg.max_sequences}
+    from speculation.bench.runner import environment
+
+    result["env"] = environment()
+    if args.offline_baseline:
+        off = offline_baseline(args.serve_config, args.dataset, result["requests_done"], args.clients,
+                               args.max_tokens)
+        result["offline"] = off
+        result["serving_over_offline"] = result["output_tokens_per_s"] / off["tokens_per_s"]
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

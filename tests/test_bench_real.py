@@ -24,6 +24,8 @@ REQUIRED_METHOD_KEYS = {
     "speedup", "tau", "tokens_per_s", "drafting_share", "mean_tree_size", "drafter_forwards_per_step",
     "drafting_s_per_step", "verify_s_per_step", "lossless", "per_category", "config",
 }
+CONCURRENCY_KEYS = {"tokens_per_s", "request_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+                    "tau", "speedup", "lossless"}
 
 
 def test_retrieval_is_lossless_on_spec_bench_fp32(smol_fp32):
@@ -53,14 +55,25 @@ def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch):
     out = tmp_path / "b.json"
     rc = cli_main(["bench", "--methods", "retrieval", "--dataset", "mixed", "--limit-per-category", "1",
                    "--max-new-tokens", "8", "--dtype", "float32", "--peers", "hf_generate",
-                   "--warmup", "0", "--json", str(out), "--experiment", "test-bench"])
+                   "--warmup", "0", "--concurrency", "1,3", "--json", str(out), "--experiment", "test-bench"])
     assert rc == 0
     res = json.loads(out.read_text())
     for key in ("model", "dtype", "dataset", "n_prompts", "max_new_tokens", "temperature", "env",
-                "baseline_tokens_per_s", "methods", "peers", "command"):
+                "baseline_tokens_per_s", "methods", "peers", "command", "concurrency"):
         assert key in res
     assert set(res["methods"]) == {"vanilla", "retrieval"}
     assert "hf_generate" in res["peers"]
+    # --concurrency: the batched engine's contract per N, with the padded HF batch as a peer row.
+    assert set(res["concurrency"]) == {"1", "3"}
+    for level in res["concurrency"].values():
+        assert set(level["methods"]) == {"vanilla", "retrieval"}
+        for m in [*level["methods"].values(), level["peers"]["hf_generate"]]:
+            assert CONCURRENCY_KEYS <= set(m)
+            assert m["tokens_per_s"] > 0
+        for m in level["methods"].values():
+            assert m["lossless"] is True  # fp32 greedy: every request equals its solo vanilla output
+            assert m["ttft_p50_s"] <= m["ttft_p99_s"]
+        assert level["methods"]["vanilla"]["speedup"] == pytest.approx(1.0)
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -71,6 +72,57 @@ def run_peer(
     out = model.generate(input_ids, **kwargs)
     wall = time.perf_counter() - t0
     return GenerationResult(tokens=out[0, len(prompt_ids):].tolist(), wall_s=wall, prefill_s=0.0)
+
+
+@dataclass(frozen=True)
+class BatchedPeerRun:
+    """One static batch of Hugging Face ``generate``: per-prompt tokens and the batch's wall time."""
+
+    tokens: list[list[int]]
+    wall_s: float
+
+
+def _trim_at_eos(row: list[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:
+    """Cut a padded output row after its first EOS (HF pads finished rows with ``pad_token_id``)."""
+    for i, t in enumerate(row[:max_new_tokens]):
+        if t in eos:
+            return row[: i + 1]
+    return row[:max_new_tokens]
+
+
+@torch.inference_mode()
+def run_hf_batched(
+    target: TargetModel, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig
+) -> BatchedPeerRun:
+    """HF ``generate`` on a left-padded batch (static batching: the batch ends with its longest row).
+
+    This is the padded-batch peer of the concurrency bench: the whole batch is one call, so no
+    request returns before the slowest one ends and no new request joins mid-batch.
+    """
+    model = target.model
+    width = max(len(p) for p in prompts)
+    pad = min(target.eos_token_ids) if target.eos_token_ids else 0
+    # input_ids/attention_mask: [B, width], left-padded so every row's last prompt token aligns.
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=target.device)
+    mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device=target.device)
+        mask[i, width - len(p):] = 1
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=sorted(target.eos_token_ids) or None,
+                  pad_token_id=pad, attention_mask=mask)
+    if sampling.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        torch.manual_seed(sampling.seed)
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k or None)
+    t0 = time.perf_counter()
+    out = model.generate(input_ids, **kwargs)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    rows = [_trim_at_eos(r, target.eos_token_ids, max_new_tokens) for r in out[:, width:].tolist()]
+    return BatchedPeerRun(tokens=rows, wall_s=wall)
 
 
 def peer_stats(peer: Peer) -> dict:

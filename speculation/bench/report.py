@@ -79,6 +79,8 @@ def render(result: dict, console: Console | None = None, per_category: bool = Tr
             _fmt(m.get("lossless")),
         )
     console.print(t)
+    if result.get("concurrency"):
+        render_concurrency(result["concurrency"], console)
     if not per_category:
         return
     cats = result["categories"]
@@ -93,3 +95,24 @@ def render(result: dict, console: Console | None = None, per_category: bool = Tr
             cells.append("-" if pc is None else f"{pc['speedup']:.2f}x\n({_fmt(pc.get('tau'))})")
         c.add_row(cat, *cells)
     console.print(c)
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{1000 * v:.0f}"
+
+
+def render_concurrency(levels: dict, console: Console) -> None:
+    """One table: per concurrency N and method (and the padded HF peer), throughput and latency."""
+    t = _table("closed-loop concurrency (batched engine)")
+    for header, justify in (("N", "right"), ("method", "left"), ("tok/s", "right"), ("speedup", "right"),
+                            ("req tok/s", "right"), ("TTFT p50/p99 ms", "right"), ("ITL p50/p99 ms", "right"),
+                            ("tau", "right"), ("tree/seq", "right"), ("lossless", "right")):
+        _add_column(t, header, justify)
+    for n, level in levels.items():
+        rows = list(level["methods"].items()) + [(f"peer:{k}", v) for k, v in level.get("peers", {}).items()]
+        for name, m in rows:
+            t.add_row(n, name, _fmt(m["tokens_per_s"], 1), _fmt(m["speedup"]) + "x",
+                      _fmt(m["request_tokens_per_s"], 1),
+                      f"{_ms(m['ttft_p50_s'])}/{_ms(m['ttft_p99_s'])}", f"{_ms(m['itl_p50_s'])}/{_ms(m['itl_p99_s'])}",
+                      _fmt(m.get("tau")), _fmt(m.get("mean_tree_tokens_per_seq_step"), 1), _fmt(m.get("lossless")))
+    console.print(t)

@@ -21,7 +21,7 @@ import torch
 
 from speculation import assets
 from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedup
-from speculation.bench.peers import Peer, parse_peers, peer_stats, reset_peer_stats, run_peer
+from speculation.bench.peers import Peer, parse_peers, peer_stats, reset_peer_stats, run_hf_batched, run_peer
 from speculation.config import BenchConfig, EngineConfig, to_dict
 from speculation.drafters import Drafter, DrafterType, MethodSpec, Reportable, build_drafter, resolve_methods
 from speculation.engine import GenerationResult, TargetBackend, generate_speculative, generate_vanilla
@@ -319,5 +319,40 @@ def run_concurrency(
         base = methods[BASELINE]["tokens_per_s"]
         for m in methods.values():
             m["speedup"] = m["tokens_per_s"] / base
-        out[str(n)] = {"methods": methods}
+        level: dict[str, Any] = {"methods": methods}
+        if Peer.HF_GENERATE in parse_peers(",".join(cfg.peers)):
+            hf = _hf_batched_row(cfg, target, prompts, refs, n)
+            hf["speedup"] = hf["tokens_per_s"] / base
+            level["peers"] = {Peer.HF_GENERATE.value: hf}
+        out[str(n)] = level
     return out
+
+
+def _hf_batched_row(cfg: BenchConfig, target: TargetModel, prompts: list[list[int]],
+                    refs: list[list[int]] | None, n: int) -> dict:
+    """HF ``generate`` with left padding, ``n`` prompts per call (static batches, in dataset order).
+
+    ``tokens_per_s`` = all output tokens / summed batch walls; ``request_tokens_per_s`` = mean over
+    requests of tokens / its batch's wall (a request returns when its batch does). HF's call is
+    not streamed, so TTFT and inter-token latency are not observable (None).
+    """
+    tokens: list[list[int]] = []
+    wall = 0.0
+    req_rates: list[float] = []
+    for i in range(0, len(prompts), n):
+        run = run_hf_batched(target, prompts[i:i + n], cfg.max_new_tokens, cfg.sampling)
+        wall += run.wall_s
+        tokens += run.tokens
+        req_rates += [len(t) / max(run.wall_s, 1e-9) for t in run.tokens]
+    row: dict[str, Any] = {
+        "tokens_per_s": sum(len(t) for t in tokens) / wall,
+        "request_tokens_per_s": sum(req_rates) / len(req_rates),
+        "ttft_p50_s": None, "ttft_p99_s": None, "itl_p50_s": None, "itl_p99_s": None,
+        "tau": None, "mean_tree_tokens_per_seq_step": None, "wall_s": wall,
+    }
+    if refs is None:
+        row["lossless"] = None
+    else:
+        matches = [t == r for t, r in zip(tokens, refs)]
+        row["lossless"] = True if all(matches) else sum(matches) / len(matches)
+    return row
