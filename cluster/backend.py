@@ -11,6 +11,8 @@ output *reference* to shard k+1 (Ray moves the hidden states between the actors 
 through the coordinator), and waits only for the last shard's logits and the aux parts.
 ``commit`` and ``truncate`` are submitted without waiting (calls from one caller to one actor run
 in order); their results are checked together with the next forward, so an error still surfaces.
+Every wait has a timeout (``call_timeout_s``); a shard that does not answer becomes a
+:class:`ShardTimeoutError` naming it (:func:`wait_pipeline`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,33 @@ from speculation.target import TargetModel, TreeForward, default_aux_layers
 from speculation.tree import DraftTree
 from workers.shard import StepInput, StepKind, TargetInfo
 from workers.wire import WireTensor
+
+
+class ShardTimeoutError(TimeoutError):
+    """A shard actor did not answer within the call timeout (hung, overloaded, or restarting)."""
+
+
+def wait_pipeline(refs_by_shard: Sequence[Sequence], timeout_s: float, what: str) -> None:
+    """Wait until every ref of every shard is ready (values or errors), at most ``timeout_s``.
+
+    ``refs_by_shard[k]``: the refs of shard k's calls, pipeline order. Raises
+    :class:`ShardTimeoutError` naming the first shard (pipeline order) with a ref not ready: a
+    later shard waits on an earlier one's output, so that shard is the one that hangs.
+    """
+    import ray
+
+    flat = [r for refs in refs_by_shard for r in refs]
+    if not flat:
+        return
+    _, not_ready = ray.wait(flat, num_returns=len(flat), timeout=timeout_s, fetch_local=False)
+    if not not_ready:
+        return
+    late = set(not_ready)
+    k = next(k for k, refs in enumerate(refs_by_shard) if any(r in late for r in refs))
+    raise ShardTimeoutError(
+        f"target shard {k} did not answer {what} within call_timeout_s={timeout_s:g}s "
+        "(the actor is hung, overloaded, or restarting)"
+    )
 
 
 @dataclass
@@ -49,6 +78,7 @@ class RayTargetBackend:
         shards: actor handles of :class:`~workers.shard.TargetShard`, in pipeline order.
         info: the target's facts (from the last shard).
         aux_layers: HF hidden-state indices of the drafters' features (default ``[2, L/2, L-3]``).
+        call_timeout_s: the longest wait for any shard call; beyond it a :class:`ShardTimeoutError`.
     """
 
     def __init__(
@@ -56,9 +86,15 @@ class RayTargetBackend:
         shards: Sequence,
         info: TargetInfo,
         aux_layers: tuple[int, int, int] | None = None,
+        call_timeout_s: float = 300.0,
     ) -> None:
         if not shards:
             raise ValueError("RayTargetBackend needs at least one shard")
+        if isinstance(call_timeout_s, bool) or not isinstance(call_timeout_s, (int, float)) or not (
+            0 < call_timeout_s <= 86400
+        ):
+            raise ValueError(f"call_timeout_s must be in (0, 86400] seconds, got {call_timeout_s!r}")
+        self.call_timeout_s = float(call_timeout_s)
         self.shards = list(shards)
         self.info = info
         self.num_layers = info.num_layers
@@ -88,6 +124,9 @@ class RayTargetBackend:
             aux_refs.append(aux)
         wait = [hidden, *aux_refs] if step.aux_layers else [hidden]
         pending, self._pending = self._pending, []  # checked once: an error surfaces once
+        # A shard runs one caller's calls in order: its forward ready means its pending calls are done.
+        wait_pipeline([[a] for a in aux_refs[:-1]] + [[aux_refs[-1], hidden]],
+                      self.call_timeout_s, f"{step.kind.value} of sequence {seq_id}")
         got = ray.get(pending + wait)
         got = got[len(got) - len(wait) :]
         logits: WireTensor = got[0]
@@ -169,4 +208,6 @@ class RayTargetBackend:
 
         if self._pending:
             pending, self._pending = self._pending, []
+            n = len(self.shards)  # every commit/truncate/release appends one ref per shard, in order
+            wait_pipeline([pending[k::n] for k in range(n)], self.call_timeout_s, "its KV bookkeeping calls")
             ray.get(pending)

@@ -172,7 +172,10 @@ class RayDeployment:
                     torch_threads=topology.torch_threads,
                     max_sequences=topology.max_sequences,
                 )
-                cls = make_actor_class(**_actor_options(bundles[k], self.pg, k, topology.actor_env))
+                opts = _actor_options(bundles[k], self.pg, k, topology.actor_env)
+                # Restarted by Ray after a crash; calls are not retried (the batched backend
+                # re-prefills the shard's sequences and retries the whole step itself).
+                cls = make_actor_class(**opts, max_restarts=topology.max_restarts, max_task_retries=0)
                 self.shards.append(cls.remote(spec))
             infos: list[TargetInfo] = ray.get([s.target_info.remote() for s in self.shards])
         except BaseException:

@@ -76,6 +76,10 @@ class Topology:
     """Fail fast when the cluster does not have the resources now (turn off under an autoscaler)."""
     max_sequences: int = 4
     """Live sequences (KV caches) kept per shard; the least recently used one is dropped. Range [1, 1024]."""
+    max_restarts: int = 2
+    """How many times Ray restarts a crashed shard actor (0 = never). The batched path
+    (``cluster/batch_backend.py``) re-prefills the restarted shard's live sequences from their
+    committed tokens and retries the step. Range [0, 100]."""
     actor_env: dict[str, str] = field(default_factory=lambda: {"OMP_WAIT_POLICY": "PASSIVE"})
     """Environment of the shard and drafter actor processes. The default stops idle OpenMP threads
     from spinning: pipeline shards wait most of the time, and spinning threads of a waiting shard
@@ -120,6 +124,10 @@ class Topology:
             raise ConfigError(
                 f"{o}.max_sequences must be an integer in [1, 1024], got {self.max_sequences!r}"
             )
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or not (
+            0 <= self.max_restarts <= 100
+        ):
+            raise ConfigError(f"{o}.max_restarts must be an integer in [0, 100], got {self.max_restarts!r}")
         if not isinstance(self.actor_env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.actor_env.items()
         ):
@@ -170,6 +178,7 @@ class Topology:
             "ready_timeout_s": self.ready_timeout_s,
             "require_resources_now": self.require_resources_now,
             "max_sequences": self.max_sequences,
+            "max_restarts": self.max_restarts,
             "actor_env": dict(self.actor_env),
         }
 

@@ -84,6 +84,27 @@ def _check_device(device: str) -> str:
     return device
 
 
+def _check_ray_concurrency_methods(methods: list[str], method_configs: dict | None) -> None:
+    """``--concurrency`` with ``--ray`` builds each request's drafter in this process against the
+    sharded target, which has no local weights: only drafters that need none (vanilla, retrieval)."""
+    from speculation.drafters import DrafterType, resolve_methods
+
+    bad = [s.name for s in resolve_methods(methods, method_configs)
+           if s.type not in (DrafterType.VANILLA, DrafterType.RETRIEVAL)]
+    if bad:
+        raise ConfigError(
+            f"--concurrency with --ray supports vanilla and retrieval methods (their drafters need no target "
+            f"weights in this process); drop {', '.join(bad)} or run --concurrency without --ray"
+        )
+
+
+def _ray_batch_target(dep, target):
+    """The batched slot API over ``dep``'s shard actors, with ``target``'s tokenizer and aux layers."""
+    from cluster.batch_backend import RayBatchTarget
+
+    return RayBatchTarget(dep.shards, dep.info, tokenizer=target.tokenizer, aux_layers=target.aux_layers)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -125,7 +146,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
     levels = _parse_concurrency(args.concurrency)
     if levels and args.ray:
-        raise ConfigError("--concurrency runs the in-process batched engine; it cannot be combined with --ray")
+        _check_ray_concurrency_methods(list(cfg.methods), method_configs)
     device = _check_device(args.device)
     store = _open_store(args)  # a bad tracking store fails now, not after the run
     target = _load_target(cfg.model, cfg.dtype.value, device)
@@ -139,15 +160,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bar.set_postfix_str(cat)
         bar.update(1)
 
-    with ray_cli.method_parts(args, target) as parts:
-        result = run_bench(cfg, target, questions, method_configs, progress, method_parts=parts)
+    with ray_cli.deployment(args, target) as dep:
+        result = run_bench(cfg, target, questions, method_configs, progress,
+                           method_parts=None if dep is None else dep.method_parts)
+        if levels:
+            from speculation.bench.runner import run_concurrency
+
+            # With --ray the batched engine drives the deployment's shard actors: one call per
+            # shard per step for all live sequences (cluster/batch_backend.py).
+            batch_target = target if dep is None else _ray_batch_target(dep, target)
+            result["concurrency"] = run_concurrency(cfg, batch_target, questions, levels, method_configs,
+                                                    goodput=args.goodput)
     if args.ray:
         result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
-    if levels:
-        from speculation.bench.runner import run_concurrency
-
-        result["concurrency"] = run_concurrency(cfg, target, questions, levels, method_configs,
-                                                goodput=args.goodput)
     result["device"] = device
     result["command"] = "graftblock " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bar.close()

@@ -23,7 +23,7 @@ After acceptance, :meth:`KVSlotPool.compact` moves the accepted rows ``n + accep
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 
 class SlotsExhaustedError(RuntimeError):
@@ -35,12 +35,19 @@ class KVSlotPool:
 
     Tensors are allocated on the first :meth:`load_prefix` (their head count, head size, dtype and
     device are taken from the first prefill's cache), once, at full size.
+
+    ``first_layer``: the model layer index of the pool's layer 0. A pipeline shard holding model
+    layers ``[first_layer, first_layer + num_layers)`` keeps only those; its batch cache answers
+    to the model's own layer indices (the layers before ``first_layer`` are empty placeholders).
     """
 
-    def __init__(self, num_layers: int, max_sequences: int, max_tokens: int) -> None:
+    def __init__(self, num_layers: int, max_sequences: int, max_tokens: int, first_layer: int = 0) -> None:
         if num_layers < 1 or max_sequences < 1 or max_tokens < 1:
             raise ValueError("num_layers, max_sequences and max_tokens must be >= 1")
+        if first_layer < 0:
+            raise ValueError(f"first_layer must be >= 0, got {first_layer}")
         self.num_layers = num_layers
+        self.first_layer = first_layer
         self.max_sequences = max_sequences
         self.max_tokens = max_tokens
         self.keys: list[torch.Tensor] = []  # per layer [S, H_kv, L, D]
@@ -170,5 +177,6 @@ class SlotBatchCache(Cache):
         if max(n + t for n, t in zip(bases, sizes)) > pool.max_tokens:
             raise ValueError(f"a row would write past the slot size {pool.max_tokens}")
         plan = _WritePlan(slots, bases, sizes, pool.keys[0].device)
-        super().__init__(layers=[_SlotLayer(pool, i, plan) for i in range(pool.num_layers)])
+        absent = [DummyLayer() for _ in range(pool.first_layer)]  # another shard's layers
+        super().__init__(layers=[*absent, *(_SlotLayer(pool, i, plan) for i in range(pool.num_layers))])
         self.plan = plan

@@ -17,6 +17,17 @@ shard returns logits (``[V]`` for prefill/decode, ``[T, V]`` for a tree). Aux hi
 (HF ``hidden_states`` index i = the input of layer i; index L = the final-norm output) are
 returned by whichever shard owns them.
 
+Continuous batching (:meth:`TargetShard.verify_batch`): the shard holds KV slot pools
+(:class:`~speculation.kv_slots.KVSlotPool` over its own layers, one per engine) and runs ONE
+forward per step over the trees of all live sequences, with the token ids, 4D mask
+``[B, 1, T, L]`` and positions ``[B, T]`` of :func:`~speculation.target.batch_tree_attention_inputs`
+(the in-process ``TargetModel.verify_batch`` helper). The previous step's KV compactions ride in
+the same call (:class:`Compaction`, applied first, idempotent), so the coordinator sends one call
+per shard per step. A slot's prefill is :meth:`forward`'s prefill on a scratch cache, its rows
+copied into the slot (as ``TargetModel.prefill_slot`` does). Every call is counted
+(:meth:`TargetShard.call_counts`); :meth:`TargetShard.incarnation` changes when Ray restarts the
+actor (its pools are then gone; the coordinator re-prefills them).
+
 The class is plain Python (usable, and tested, in one process); :func:`make_actor_class` gives the
 Ray actor. Each shard loads the weights itself (through :func:`speculation.assets.load_model`, the
 one model loader) and keeps only its modules. EOS ids follow
@@ -25,18 +36,28 @@ one model loader) and keeps only its modules. EOS ids follow
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import gc
+import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from speculation import assets
 from speculation.config import DType
-from speculation.target import causal_positions, compact_kv, eos_token_ids, tree_attention_inputs
+from speculation.kv_slots import KVSlotPool
+from speculation.target import (
+    batch_tree_attention_inputs,
+    causal_positions,
+    compact_kv,
+    eos_token_ids,
+    tree_attention_inputs,
+)
+from speculation.tree import TreeTensors
 from workers.wire import WireTensor, to_wire
 
 
@@ -116,6 +137,51 @@ class TargetInfo:
     eos_token_ids: frozenset[int]
 
 
+@dataclass(frozen=True)
+class Compaction:
+    """Keep the accepted rows of one verified tree: rows ``base + accepted`` of ``slot`` move to
+    ``base .. base + m`` (``accepted[0] == 0``); the slot then holds ``base + m + 1`` valid rows.
+
+    Idempotent on a shard: applied only while the slot holds exactly ``base`` committed rows, so a
+    step retried after a fault never moves rows twice.
+    """
+
+    slot: int
+    base: int
+    accepted: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchStepInput:
+    """One batched verify step, identical for every shard of the pipeline.
+
+    Attributes:
+        slots: ``[B]`` the rows' KV slots.
+        bases: ``[B]`` committed KV rows of each slot (the tree is written after them).
+        trees: per row ``(tokens [T_b] int64, depths [T_b] int64, ancestor_mask [T_b, T_b] bool)``.
+        aux_layers: HF hidden-state indices to return (empty: none).
+        compactions: the previous step's :class:`Compaction` s, applied before the forward.
+    """
+
+    slots: tuple[int, ...]
+    bases: tuple[int, ...]
+    trees: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
+    aux_layers: tuple[int, ...] = ()
+    compactions: tuple[Compaction, ...] = field(default_factory=tuple)
+
+    def sizes(self) -> list[int]:
+        return [int(t[0].shape[0]) for t in self.trees]
+
+
+class UnknownPoolError(KeyError):
+    """A KV pool id this shard does not hold (never created, dropped, or lost when Ray restarted
+    the actor)."""
+
+
+class ShardStateError(RuntimeError):
+    """The coordinator's view of a slot disagrees with the shard's (a bug, never silently run)."""
+
+
 class UnknownSequenceError(KeyError):
     """A sequence id this shard does not hold (never prefilled, released or evicted)."""
 
@@ -188,6 +254,10 @@ class TargetShard:
             if mod is not None:
                 mod.to(self.device).eval()
         self._seqs: OrderedDict[str, _Sequence] = OrderedDict()
+        self._pools: dict[str, KVSlotPool] = {}
+        self._valid: dict[str, dict[int, int]] = {}  # pool -> slot -> committed rows
+        self._calls: collections.Counter[str] = collections.Counter()
+        self._incarnation = uuid.uuid4().hex
 
     @staticmethod
     def _pick_device() -> torch.device:
@@ -218,6 +288,14 @@ class TargetShard:
 
     def sequences(self) -> list[str]:
         return list(self._seqs)
+
+    def incarnation(self) -> str:
+        """A random id drawn at construction: it changes when Ray restarts the actor."""
+        return self._incarnation
+
+    def call_counts(self) -> dict[str, int]:
+        """Calls served since construction, by method (pool / slot / batch methods)."""
+        return dict(self._calls)
 
     # ------------------------------------------------------------------ sequence state
     def _open(self, seq_id: str) -> _Sequence:
@@ -253,60 +331,180 @@ class TargetShard:
         self, seq_id: str, step: StepInput, hidden_in: WireTensor | None = None
     ) -> tuple[WireTensor, dict[int, WireTensor]]:
         """Run this shard's layers. Returns (hidden ``[1,T,H]`` or logits, {aux index: ``[T,H]``})."""
-        from transformers.masking_utils import create_causal_mask
-
         seq = self._open(seq_id) if step.kind == StepKind.PREFILL else self._get(seq_id)
-        n, T = seq.length, len(step)
+        return self._forward_cache(seq, step, hidden_in)
+
+    def _input_hidden(self, ids: torch.Tensor, hidden_in: WireTensor | None) -> torch.Tensor:
+        """``[B, T, H]``: the embeddings of ``ids`` ``[B, T]`` (first shard), else the previous shard's."""
         if self.spec.is_first:
-            ids = torch.tensor(np.asarray(step.tokens, dtype=np.int64)).view(1, T).to(self.device)
-            hidden = self.embed_tokens(ids)  # [1, T, H]
-        else:
-            if hidden_in is None:
-                raise ValueError(f"shard {self.spec.index} needs the previous shard's hidden states")
-            hidden = hidden_in.to_torch(self.device)
+            return self.embed_tokens(ids.to(self.device))
+        if hidden_in is None:
+            raise ValueError(f"shard {self.spec.index} needs the previous shard's hidden states")
+        return hidden_in.to_torch(self.device)
+
+    def _forward_cache(
+        self, seq: _Sequence, step: StepInput, hidden_in: WireTensor | None
+    ) -> tuple[WireTensor, dict[int, WireTensor]]:
+        """:meth:`forward` on ``seq``'s cache (a live sequence, or a scratch one for a slot prefill)."""
+        n, T = seq.length, len(step)
+        hidden = self._input_hidden(torch.tensor(np.asarray(step.tokens, dtype=np.int64)).view(1, T), hidden_in)
         mask = None
         if step.kind == StepKind.TREE and T > 1:
             mask, positions = tree_attention_inputs(  # [1, 1, T, n+T], [1, T]
-                torch.from_numpy(np.asarray(step.ancestor_mask, dtype=bool)),
-                torch.from_numpy(np.asarray(step.depths, dtype=np.int64)),
+                torch.tensor(np.asarray(step.ancestor_mask, dtype=bool)),  # copies: Ray's arrays are read-only
+                torch.tensor(np.asarray(step.depths, dtype=np.int64)),
                 n,
                 self.device,
             )
         else:
             positions = causal_positions(n, T, self.device)  # [1, T]
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=mask,
-            past_key_values=seq.cache,
-            position_ids=positions,
-            layer_idx=self.spec.start,
-        )
-        pos_emb = self.rotary_emb(hidden, position_ids=positions)
-        aux: dict[int, WireTensor] = {}
-        wanted = set(step.aux_layers)
-        for i in range(self.spec.start, self.spec.end):
-            if i in wanted:
-                aux[i] = to_wire(hidden[0])
-            hidden = self.layers[str(i)](
-                hidden,
-                attention_mask=causal_mask,
-                position_embeddings=pos_emb,
-                position_ids=positions,
-                past_key_values=seq.cache,
-                use_cache=True,
-            )
+        hidden, aux_t = self._layers(hidden, mask, positions, seq.cache, step.aux_layers)
+        aux = {i: to_wire(h[0]) for i, h in aux_t.items()}
         seq.length = n + T  # a tree is provisional: commit() cuts it back to the accepted path
         if not self.spec.is_last:
             return to_wire(hidden), aux
         hidden = self.norm(hidden)
-        if self.num_layers in wanted:
+        if self.num_layers in step.aux_layers:
             aux[self.num_layers] = to_wire(hidden[0])
         if step.kind == StepKind.TREE:
             logits = self.lm_head(hidden)[0]  # [T, V]
         else:
             logits = self.lm_head(hidden[:, -1:, :])[0, -1]  # [V]
         return to_wire(logits), aux
+
+    def _layers(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache, aux_layers
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """This shard's decoder layers over ``hidden`` ``[B, T, H]`` with the model's own mask
+        preparation (``create_causal_mask``: HF's causal mask when ``mask`` is None, a 4D mask
+        passes through). Returns (hidden ``[B, T, H]``, {aux index: its input ``[B, T, H]``})."""
+        from transformers.masking_utils import create_causal_mask
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            past_key_values=cache,
+            position_ids=positions,
+            layer_idx=self.spec.start,
+        )
+        pos_emb = self.rotary_emb(hidden, position_ids=positions)
+        aux: dict[int, torch.Tensor] = {}
+        wanted = set(aux_layers)
+        for i in range(self.spec.start, self.spec.end):
+            if i in wanted:
+                aux[i] = hidden
+            hidden = self.layers[str(i)](
+                hidden,
+                attention_mask=causal_mask,
+                position_embeddings=pos_emb,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+        return hidden, aux
+
+    # ------------------------------------------------------------------ KV slot pools (batching)
+    def new_pool(self, pool_id: str, max_sequences: int, max_tokens: int) -> None:
+        """Create pool ``pool_id``: ``max_sequences`` slots of ``max_tokens`` rows for this shard's
+        layers (memory fixed: nothing grows, nothing is evicted)."""
+        self._calls["new_pool"] += 1
+        self._pools[pool_id] = KVSlotPool(self.spec.end - self.spec.start, max_sequences, max_tokens,
+                                          first_layer=self.spec.start)
+        self._valid[pool_id] = {}
+
+    def drop_pool(self, pool_id: str) -> None:
+        """Free pool ``pool_id`` (idempotent)."""
+        self._calls["drop_pool"] += 1
+        self._pools.pop(pool_id, None)
+        self._valid.pop(pool_id, None)
+
+    def pool_ids(self) -> list[str]:
+        return list(self._pools)
+
+    def _pool(self, pool_id: str) -> KVSlotPool:
+        pool = self._pools.get(pool_id)
+        if pool is None:
+            raise UnknownPoolError(
+                f"shard {self.spec.index}: unknown KV pool {pool_id!r} (never created, dropped, or lost "
+                "when the actor restarted)"
+            )
+        return pool
+
+    @torch.inference_mode()
+    def prefill_slot(
+        self,
+        pool_id: str,
+        slot: int,
+        step: StepInput,
+        hidden_in: WireTensor | None = None,
+        store: bool = True,
+        compactions: tuple[Compaction, ...] = (),
+    ) -> tuple[WireTensor, dict[int, WireTensor]]:
+        """:meth:`forward`'s prefill on a scratch cache; with ``store`` its rows are copied into
+        rows ``0..n`` of ``slot`` (``store=False``: only pass the hidden states on, for a re-prefill
+        whose KV only a later, restarted shard needs). ``compactions`` are applied first."""
+        from transformers import DynamicCache
+
+        self._calls["prefill_slot"] += 1
+        if step.kind != StepKind.PREFILL:
+            raise ValueError(f"prefill_slot needs a prefill step, got {step.kind.value}")
+        pool = self._pool(pool_id)
+        self._compact(pool_id, compactions)
+        scratch = _Sequence(DynamicCache(config=self.config))
+        out = self._forward_cache(scratch, step, hidden_in)
+        if store:
+            self._valid[pool_id][slot] = pool.load_prefix(slot, scratch.cache.layers[self.spec.start : self.spec.end])
+        return out
+
+    def _compact(self, pool_id: str, compactions: tuple[Compaction, ...]) -> None:
+        pool, valid = self._pools[pool_id], self._valid[pool_id]
+        for c in compactions:
+            if valid.get(c.slot) != c.base:
+                continue  # already applied (a retried step), or superseded by a re-prefill
+            pool.compact(c.slot, c.base, list(c.accepted))
+            valid[c.slot] = c.base + len(c.accepted)
+
+    @torch.inference_mode()
+    def verify_batch(
+        self, pool_id: str, batch: BatchStepInput, hidden_in: WireTensor | None = None
+    ) -> tuple[WireTensor, dict[int, WireTensor]]:
+        """ONE forward over the trees of all rows (after applying ``batch.compactions``).
+
+        Row b writes its ``T_b`` tree rows at ``bases[b]..`` of its slot; inputs from
+        :func:`~speculation.target.batch_tree_attention_inputs` (``[B, T]`` ids and positions,
+        ``[B, 1, T, L]`` mask). Returns hidden ``[B, T, H]`` (or, on the last shard, the logits of
+        the valid rows ``[sum T_b, V]``, row-major) and {aux index: ``[sum T_b, H]``}.
+        """
+        self._calls["verify_batch"] += 1
+        pool = self._pool(pool_id)
+        self._compact(pool_id, batch.compactions)
+        valid = self._valid[pool_id]
+        for slot, base in zip(batch.slots, batch.bases):
+            if valid.get(slot) != base:
+                raise ShardStateError(
+                    f"shard {self.spec.index}: slot {slot} holds {valid.get(slot)} committed rows, the "
+                    f"coordinator expects {base}"
+                )
+        sizes = batch.sizes()
+        cache = pool.batch_cache(list(batch.slots), list(batch.bases), sizes)
+        tts = [
+            TreeTensors(tokens=torch.tensor(np.asarray(t, dtype=np.int64)),  # copies: Ray's arrays are read-only
+                        depths=torch.tensor(np.asarray(d, dtype=np.int64)),
+                        ancestor_mask=torch.tensor(np.asarray(a, dtype=bool)))
+            for t, d, a in batch.trees
+        ]
+        ids, mask, positions = batch_tree_attention_inputs(tts, list(batch.bases), cache.plan.kv_len, self.device)
+        hidden = self._input_hidden(ids, hidden_in)  # [B, T, H]
+        hidden, aux_t = self._layers(hidden, mask, positions, cache, batch.aux_layers)
+        if self.spec.is_last:
+            hidden = self.norm(hidden)
+            if self.num_layers in batch.aux_layers:
+                aux_t[self.num_layers] = hidden
+        aux = {i: to_wire(_valid_rows(h, sizes)) for i, h in aux_t.items()}
+        if not self.spec.is_last:
+            return to_wire(hidden), aux
+        return to_wire(_valid_rows(self.lm_head(hidden), sizes)), aux  # [sum T_b, V]
 
     # ------------------------------------------------------------------ KV bookkeeping
     @torch.inference_mode()
@@ -326,6 +524,11 @@ class TargetShard:
             for i in range(self.spec.start, self.spec.end):  # only this shard's cache layers
                 seq.cache.layers[i].crop(length - seq.length)  # transformers 5 takes a negative count
         seq.length = length
+
+
+def _valid_rows(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``[B, T, D]`` -> ``[sum T_b, D]``: the first ``T_b`` rows of each batch row (padding dropped)."""
+    return torch.cat([x[b, :t] for b, t in enumerate(sizes)], dim=0)
 
 
 def make_actor_class(**options):

@@ -1,0 +1,407 @@
+"""``RayBatchTarget``: continuous batching over pipeline-sharded target actors, with shard-fault recovery.
+
+It implements the slot API of :class:`~speculation.target.TargetModel` that
+:class:`~speculation.engine.BatchEngine` drives (``new_slot_pool``, ``prefill_slot``,
+``verify_batch``, ``commit_slot``, ``release_slot``, ``check_fits``, ``tokenizer``, ``device``), so
+``BatchEngine(RayBatchTarget(...), ...)`` runs unchanged; it also keeps the batch-1
+:class:`~speculation.engine.TargetBackend` methods of :class:`~cluster.backend.RayTargetBackend`
+(solo references, ``measure_cost_model``).
+
+Per engine step the coordinator sends ONE call per shard
+(:meth:`~workers.shard.TargetShard.verify_batch`) for all live sequences: slots with their own KV
+lengths, per-row positions and 4D ancestor masks (built on the shard by
+``speculation.target.batch_tree_attention_inputs``, the in-process helper). Hidden states flow
+shard to shard as object refs; the coordinator fetches only the last shard's logits of the valid
+rows (``[sum T_b, V]``) and the aux parts. ``commit_slot`` sends nothing: the step's KV
+compactions ride in the next call on that pool (:class:`~workers.shard.Compaction`, idempotent).
+
+Memory: each shard holds per pool ``max_sequences x max_tokens`` KV rows of its own layers,
+allocated once; live sequences are never evicted (the pool is dropped on the shards when the
+coordinator's :class:`RaySlotPool` is garbage-collected).
+
+Faults. Every wait has a timeout (:class:`ShardCallConfig`; a :class:`~cluster.backend.ShardTimeoutError`
+names the shard). When a shard actor dies (``RayActorError``, or a restarted actor that no longer
+knows the pool), the step is recovered and retried, up to ``max_recoveries`` times:
+
+1. wait (``restart_timeout_s``) until every shard answers; a shard whose
+   :meth:`~workers.shard.TargetShard.incarnation` changed was restarted by Ray (``max_restarts``);
+2. on the restarted shards, recreate every live pool and re-prefill every live sequence from its
+   committed tokens (the shards before them run the same prefill without storing, to hand on the
+   hidden states);
+3. resubmit the step (compactions already applied on a surviving shard are skipped there).
+
+The output is the same as without the fault up to the floating-point order of one prefill forward
+over the committed tokens versus the incremental forwards that wrote them (fp32 greedy: identical
+in the tests). A shard that Ray does not restart is a :class:`ShardLostError` naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cluster.backend import RayTargetBackend, ShardTimeoutError, wait_pipeline
+from speculation.target import TreeForward
+from speculation.tree import DraftTree
+from workers.shard import (
+    BatchStepInput,
+    Compaction,
+    ShardStateError,
+    StepInput,
+    StepKind,
+    TargetInfo,
+    UnknownPoolError,
+)
+from workers.wire import WireTensor
+
+
+_RESTART_POLL_S = 0.2
+"""Seconds between asks to a shard that Ray is restarting."""
+
+
+class ShardLostError(RuntimeError):
+    """A shard actor died and was not restarted, or kept failing past ``max_recoveries``."""
+
+
+class _ShardFault(Exception):
+    """Internal: shard ``shard``'s call failed with an actor death or a lost pool (recoverable)."""
+
+    def __init__(self, shard: int, cause: BaseException) -> None:
+        super().__init__(f"shard {shard}: {cause}")
+        self.shard = shard
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class ShardCallConfig:
+    """Timeouts and retries of the batched Ray target (validated on construction).
+
+    Attributes:
+        call_timeout_s: the longest wait for one step's (or prefill's) shard calls. Range (0, 86400].
+        restart_timeout_s: the longest wait for a dead shard to come back (Ray restarts it and it
+            reloads its weights). Range (0, 86400].
+        max_recoveries: fault recoveries (re-prefill + retry) per call before giving up. Range [0, 100].
+    """
+
+    call_timeout_s: float = 300.0
+    restart_timeout_s: float = 300.0
+    max_recoveries: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("call_timeout_s", "restart_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
+                raise ValueError(f"shard_calls.{name} must be in (0, 86400] seconds, got {v!r}")
+        m = self.max_recoveries
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 100:
+            raise ValueError(f"shard_calls.max_recoveries must be an integer in [0, 100], got {m!r}")
+
+
+@dataclass
+class RaySlotState:
+    """A sequence in a :class:`RaySlotPool` slot (the Ray twin of :class:`~speculation.target.SlotState`).
+
+    Attributes:
+        pool: the pool whose slot holds its KV rows on every shard.
+        slot: its slot index, or None once released.
+        length: valid KV rows (committed tokens minus the pending root; + tree rows until commit).
+        tokens: token ids held in those rows (what a re-prefill after a shard fault replays).
+    """
+
+    pool: RaySlotPool
+    slot: int | None
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+    def held_slot(self) -> int:
+        if self.slot is None:
+            raise ValueError("this sequence was released: its KV slot is gone (prefill a new one)")
+        return self.slot
+
+
+class RaySlotPool:
+    """The coordinator's ledger of one KV pool held by every shard: free slots, live sequences,
+    and the KV compactions not yet sent."""
+
+    def __init__(self, pool_id: str, max_sequences: int, max_tokens: int) -> None:
+        if max_sequences < 1 or max_tokens < 1:
+            raise ValueError("max_sequences and max_tokens must be >= 1")
+        self.pool_id = pool_id
+        self.max_sequences = max_sequences
+        self.max_tokens = max_tokens
+        self._free: list[int] = list(range(max_sequences - 1, -1, -1))  # pop() gives the lowest slot
+        self.live: dict[int, RaySlotState] = {}
+        self.compactions: list[Compaction] = []
+
+    @property
+    def free(self) -> int:
+        """Slots not held by a live sequence."""
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.max_sequences} KV slots are held by live sequences")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.max_sequences:
+            raise ValueError(f"slot {slot} is not held")
+        self.live.pop(slot, None)
+        self.compactions = [c for c in self.compactions if c.slot != slot]
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+
+def _drop_pool(shards: tuple, pool_id: str) -> None:
+    """Free ``pool_id`` on every shard (fire and forget: the pool's ledger is gone)."""
+    import ray
+
+    if ray.is_initialized():
+        for s in shards:
+            s.drop_pool.remote(pool_id)
+
+
+class RayBatchTarget(RayTargetBackend):
+    """The batched slot API over pipeline shard actors (see the module doc).
+
+    Args:
+        shards: :class:`~workers.shard.TargetShard` actor handles, pipeline order (create them
+            with ``max_restarts`` > 0 for fault recovery).
+        info: the target's facts (from the last shard).
+        tokenizer: the model's tokenizer (the bench encodes prompts with it), or None.
+        aux_layers: HF hidden-state indices of the drafters' features (default ``[2, L/2, L-3]``).
+        calls: timeouts and recoveries.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence,
+        info: TargetInfo,
+        tokenizer=None,
+        aux_layers: tuple[int, int, int] | None = None,
+        calls: ShardCallConfig | None = None,
+    ) -> None:
+        import ray
+
+        self.calls = calls or ShardCallConfig()
+        super().__init__(shards, info, aux_layers=aux_layers, call_timeout_s=self.calls.call_timeout_s)
+        self.tokenizer = tokenizer
+        self.device = torch.device("cpu")  # where logits land (the coordinator)
+        self._pools: weakref.WeakValueDictionary[str, RaySlotPool] = weakref.WeakValueDictionary()
+        self._pool_ids = itertools.count()
+        refs = [s.incarnation.remote() for s in self.shards]
+        wait_pipeline([[r] for r in refs], self.calls.call_timeout_s, "incarnation")
+        self._incarnations: list[str] = ray.get(refs)
+        self._stale: set[int] = set()  # restarted shards whose pools are not re-prefilled yet
+        self.recoveries = 0
+        """Shard restarts recovered so far (pools recreated and live sequences re-prefilled)."""
+        self.batch_calls = 0
+        """Batched verify steps sent (each one call per shard)."""
+
+    # ------------------------------------------------------------------ slot API
+    def new_slot_pool(self, max_sequences: int, max_tokens: int) -> RaySlotPool:
+        """A pool of ``max_sequences`` slots of ``max_tokens`` rows on every shard."""
+        pool = RaySlotPool(f"{self._tag}-pool-{next(self._pool_ids)}", max_sequences, max_tokens)
+        self._with_recovery(lambda: [[s.new_pool.remote(pool.pool_id, max_sequences, max_tokens)]
+                                     for s in self.shards], "new_pool")
+        self._pools[pool.pool_id] = pool
+        fin = weakref.finalize(pool, _drop_pool, tuple(self.shards), pool.pool_id)
+        fin.atexit = False
+        return pool
+
+    def prefill_slot(
+        self, pool: RaySlotPool, ids: list[int], need_aux: bool = False
+    ) -> tuple[RaySlotState, torch.Tensor, torch.Tensor | None]:
+        """The prompt's prefill (the solo forward), its rows stored in a free slot on every shard.
+        Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        slot = pool.acquire()
+        step = StepInput(kind=StepKind.PREFILL, tokens=np.asarray(ids, dtype=np.int64),
+                         aux_layers=self.aux_layers if need_aux else ())
+
+        def submit() -> list[list]:
+            comps = tuple(pool.compactions)
+            return self._pipeline(lambda s, h: s.prefill_slot.options(num_returns=2).remote(
+                pool.pool_id, slot, step, h, True, comps))
+
+        try:
+            logits, aux_parts = self._split(self._with_recovery(submit, f"prefill of slot {slot}"))
+        except BaseException:
+            pool.release(slot)
+            raise
+        pool.compactions = []
+        state = RaySlotState(pool=pool, slot=slot, length=len(ids), tokens=list(ids))
+        pool.live[slot] = state
+        return state, logits.to_torch(), self._aux(aux_parts) if need_aux else None
+
+    def verify_batch(
+        self, states: list[RaySlotState], trees: list[DraftTree], need_aux: bool = False
+    ) -> list[TreeForward]:
+        """ONE call per shard over every tree of every sequence (per-row masks and positions);
+        the tree rows are provisional until :meth:`commit_slot`."""
+        import ray
+
+        if len(states) != len(trees) or not states:
+            raise ValueError("verify_batch needs one tree per state, at least one")
+        pool = states[0].pool
+        if any(s.pool is not pool for s in states):
+            raise ValueError("all states of one batch must live in the same KV pool")
+        sizes = [len(t) for t in trees]
+        if any(s.length + t > pool.max_tokens for s, t in zip(states, sizes)):
+            raise ValueError(f"a row would write past the slot size {pool.max_tokens}")
+        tts = [t.to_tensors() for t in trees]
+        batch = BatchStepInput(
+            slots=tuple(s.held_slot() for s in states),
+            bases=tuple(s.length for s in states),
+            trees=tuple((tt.tokens.numpy(), tt.depths.numpy(), tt.ancestor_mask.numpy()) for tt in tts),
+            aux_layers=self.aux_layers if need_aux else (),
+            compactions=tuple(pool.compactions),
+        )
+        batch_ref = ray.put(batch)  # one copy in the object store, read by every shard
+
+        def submit() -> list[list]:
+            return self._pipeline(lambda s, h: s.verify_batch.options(num_returns=2).remote(
+                pool.pool_id, batch_ref, h))
+
+        logits_w, aux_parts = self._split(self._with_recovery(submit, f"verify step of {len(states)} sequences"))
+        self.batch_calls += 1
+        pool.compactions = []
+        logits = logits_w.to_torch()  # [sum T_b, V]
+        aux = self._aux(aux_parts) if need_aux else None  # [sum T_b, 3H]
+        fwds = []
+        offsets = np.cumsum([0, *sizes]).tolist()
+        for b, (state, t) in enumerate(zip(states, sizes)):
+            lo, hi = offsets[b], offsets[b + 1]
+            fwds.append(TreeForward(logits=logits[lo:hi], aux_hidden=aux[lo:hi] if aux is not None else None))
+            state.length += t  # provisional: commit_slot() cuts back to the accepted path
+        return fwds
+
+    def commit_slot(self, state: RaySlotState, tree: DraftTree, accepted: list[int]) -> None:
+        """Keep only the accepted path's rows (root first); sent with the pool's next call."""
+        if not accepted or accepted[0] != 0:
+            raise ValueError("accepted path must start at the root (node 0)")
+        base = state.length - len(tree)
+        state.pool.compactions.append(Compaction(state.held_slot(), base, tuple(int(a) for a in accepted)))
+        state.length = base + len(accepted)
+        state.tokens.extend(tree.tokens[a] for a in accepted)
+
+    def release_slot(self, state: RaySlotState) -> None:
+        """Give the sequence's slot back (idempotent); the shards overwrite it on the next prefill."""
+        if state.slot is not None:
+            state.pool.release(state.slot)
+            state.slot = None
+
+    # ------------------------------------------------------------------ pipeline calls
+    def _pipeline(self, call: Callable, shards: Sequence | None = None) -> list[list]:
+        """Submit ``call(shard, hidden_ref)`` to every shard in order, shard k's hidden ref feeding
+        shard k+1; returns per shard its ``[hidden_or_logits_ref, aux_ref]``."""
+        hidden = None
+        refs = []
+        for shard in self.shards if shards is None else shards:
+            hidden, aux = call(shard, hidden)
+            refs.append([hidden, aux])
+        return refs
+
+    def _gather(self, refs_by_shard: list[list], what: str) -> list:
+        """Wait (with the call timeout) and fetch: every shard's last ref (the aux parts, small) and
+        the last shard's first ref. Raises :class:`_ShardFault` naming the first failed shard."""
+        import ray
+
+        wait_pipeline(refs_by_shard, self.calls.call_timeout_s, what)
+        out = []
+        for k, refs in enumerate(refs_by_shard):
+            want = refs if k == len(refs_by_shard) - 1 else refs[-1:]
+            try:
+                out.append(ray.get(want))
+            except (ray.exceptions.RayActorError, UnknownPoolError) as e:
+                raise _ShardFault(k, e) from e
+        return out
+
+    def _with_recovery(self, submit: Callable[[], list[list]], what: str) -> list:
+        """``submit`` then gather; on a shard fault recover (re-prefill on restarted shards) and retry."""
+        fault: _ShardFault | None = None
+        for _ in range(self.calls.max_recoveries + 1):
+            try:
+                if fault is not None:
+                    self._recover()
+                return self._gather(submit(), what)
+            except _ShardFault as e:
+                fault = e
+        assert fault is not None
+        raise ShardLostError(
+            f"target shard {fault.shard} kept failing during {what} after "
+            f"max_recoveries={self.calls.max_recoveries} recoveries: {fault.cause}"
+        ) from fault.cause
+
+    @staticmethod
+    def _split(got: list) -> tuple[WireTensor, dict[int, WireTensor]]:
+        """(the last shard's output, every shard's aux parts merged) from :meth:`_gather`."""
+        aux: dict[int, WireTensor] = {}
+        for parts in got:
+            aux.update(parts[-1])
+        return got[-1][0], aux
+
+    def _aux(self, parts: dict[int, WireTensor]) -> torch.Tensor:
+        return torch.cat([parts[i].to_torch() for i in self.aux_layers], dim=-1)  # [N, 3H]
+
+    # ------------------------------------------------------------------ fault recovery
+    def _restarted(self) -> list[int]:
+        """Wait for every shard to answer; the indices of those Ray restarted since last seen."""
+        import ray
+
+        restarted = []
+        deadline = time.monotonic() + self.calls.restart_timeout_s
+        for k, shard in enumerate(self.shards):
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    if left <= 0:
+                        raise ray.exceptions.GetTimeoutError()
+                    inc = ray.get(shard.incarnation.remote(), timeout=left)
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    raise ShardTimeoutError(
+                        f"target shard {k} did not come back within restart_timeout_s="
+                        f"{self.calls.restart_timeout_s:g}s after a fault"
+                    ) from None
+                except ray.exceptions.ActorUnavailableError:
+                    time.sleep(min(_RESTART_POLL_S, max(left, 0.0)))  # restarting: ask again
+                except ray.exceptions.RayActorError as e:
+                    raise ShardLostError(
+                        f"target shard {k} died and Ray did not restart it (create the shard actors with "
+                        f"max_restarts > 0): {e}"
+                    ) from e
+            if inc != self._incarnations[k]:
+                restarted.append(k)
+                self._incarnations[k] = inc
+        return restarted
+
+    def _recover(self) -> None:
+        """Recreate the live pools and re-prefill their live sequences on the restarted shards."""
+        # A shard restarted during an earlier, unfinished recovery still needs its re-prefill.
+        self._stale.update(self._restarted())
+        restarted = sorted(self._stale)
+        if not restarted:
+            return  # a transient failure: the retry resubmits as is
+        upto = self.shards[: max(restarted) + 1]  # later shards keep their KV and are not needed
+        for pool in list(self._pools.values()):
+            self._gather([[self.shards[k].new_pool.remote(pool.pool_id, pool.max_sequences, pool.max_tokens)]
+                          for k in restarted], f"new_pool {pool.pool_id} after a restart")
+            for slot, state in sorted(pool.live.items()):
+                if state.length != len(state.tokens):
+                    raise ShardStateError(f"slot {slot}: {state.length} KV rows but {len(state.tokens)} tokens")
+                step = StepInput(kind=StepKind.PREFILL, tokens=np.asarray(state.tokens, dtype=np.int64))
+                store = [k in restarted for k in range(len(upto))]
+                it = iter(store)
+                refs = self._pipeline(lambda s, h: s.prefill_slot.options(num_returns=2).remote(
+                    pool.pool_id, slot, step, h, next(it), ()), upto)
+                self._gather(refs, f"re-prefill of slot {slot} after a restart")
+        self._stale.clear()
+        self.recoveries += 1
