@@ -18,9 +18,15 @@ Per replica::
   disconnect: the handler is cancelled; a stop string) aborts its sequence, which frees its KV slot
   at once.
 * :class:`ServeMetrics`: Prometheus counters and histograms (``/metrics``).
+* Drafter placement (``drafter_placement: worker``): the per-sequence drafters live in one
+  ``DrafterWorker`` actor behind ``cluster.resilient_drafter`` proxies; a dead or hung worker turns
+  the affected steps into steps without speculation (never a wrong token, never a hung request),
+  the worker is restarted and each sequence's drafter is rebuilt from its committed tokens.
 * :func:`build_app`: the Ray Serve application (``serve.run(build_app(config))``).
 
-Learner wiring (online adaptation inside the server) is not part of this module yet.
+* Learner (``cluster.serve_learner``): the engine's feedback hook ships one record per verify
+  step to the shared learner actor (bounded, dropped rather than waited for); published weights
+  are swapped into the replica's drafters by the engine thread between two steps.
 """
 
 
@@ -67,7 +73,10 @@ from cluster.openai_api import (
     encode_prompt,
     parse_request,
 )
-from cluster.serve_config import ServeConfig, serve_config_from_dict
+from cluster.resilient_drafter import (FALLBACK_STAT, REBUILD_STAT, DrafterWorkerSupervisor, supervised_factory,
+                                       supervisor_from_config)
+from cluster.serve_config import DrafterPlacement, ServeConfig, serve_config_from_dict
+from cluster.serve_learner import ReplicaLearner, attach_learner
 from speculation.config import BatchConfig, ConfigError, SamplingConfig, from_dict
 from speculation.engine import AdmissionError, BatchEngine, FinishReason, QueueFullError, Request, SequenceUpdate
 from speculation.target import ContextLengthError
@@ -135,8 +144,11 @@ class EngineLoop:
     engine; :attr:`step_started` / :attr:`state` let waiters detect a stalled or dead engine.
     """
 
-    def __init__(self, engine_factory: EngineFactory, start_timeout_s: float = 600.0) -> None:
+    def __init__(self, engine_factory: EngineFactory, start_timeout_s: float = 600.0,
+                 between_steps: Callable[[], None] | None = None) -> None:
         self._factory = engine_factory
+        self._between_steps = between_steps
+        """Runs on the engine thread before every step (the learner's weight swaps)."""
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._ready = threading.Event()
@@ -207,6 +219,8 @@ class EngineLoop:
                         self._fail_all(ShutdownAbort("the server shut down before this request finished"))
                         break
                 if engine.has_work():
+                    if self._between_steps is not None:
+                        self._between_steps()
                     self.step_started = time.monotonic()
                     updates = engine.step()
                     self.step_started = None
@@ -295,6 +309,9 @@ class ServeMetrics:
         self.running = Gauge("graftblock_running_requests", "Requests with at least one token, not finished",
                              registry=r)
         self.waiting = Gauge("graftblock_waiting_requests", "Requests submitted, no token yet", registry=r)
+        self.drafter_events = Counter("graftblock_drafter_worker_events", "Drafter-worker faults and recovery "
+                                      "(drafter_placement: worker): fallback_step, timeout, died, restart, recreate, "
+                                      "rebuild (cluster.resilient_drafter.DrafterEvent)", ["event"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -313,6 +330,21 @@ class _Progress:
     gained: int = 0
     accepted: int = 0
     drafted: int = 0
+    fallback_steps: int = 0
+    """Steps without speculation because the drafter worker was down."""
+    rebuilds: int = 0
+    """Times this request's drafter was rebuilt from its committed tokens after a worker restart."""
+
+
+class WorkerSpecStats(SpecStats):
+    """The ``graftblock`` field with drafters in a worker (``drafter_placement: worker``)."""
+
+    drafter_fallback_steps: int
+    """This request's verify steps without speculation (the drafter worker was dead or hung)."""
+    drafter_rebuilds: int
+    """Times this request's drafter was rebuilt in the worker from its committed tokens."""
+    drafter_worker_restarts: int
+    """The replica's drafter-worker restarts so far (Ray restarts and re-creations)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,9 +362,12 @@ class _Job:
 class OpenAIService:
     """The request path of one replica, independent of the HTTP framework (FastAPI routes call it)."""
 
+    drafter_supervisor: DrafterWorkerSupervisor | None = None
+    """The replica's drafter worker (``drafter_placement: worker``), or None (drafters in process)."""
+
     def __init__(self, config: ServeConfig, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
                  engine_factory: EngineFactory, method: str, check_fits: Callable[[int, int], None],
-                 metrics: ServeMetrics | None = None) -> None:
+                 metrics: ServeMetrics | None = None, learner: ReplicaLearner | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -341,7 +376,9 @@ class OpenAIService:
         self.check_fits = check_fits
         self.metrics = metrics or ServeMetrics()
         self.created = int(time.time())
-        self.engine = EngineLoop(engine_factory)
+        self.learner = learner
+        """The replica's side of the online learner (``cluster.serve_learner``), or None."""
+        self.engine = EngineLoop(engine_factory, between_steps=learner.apply_pending if learner else None)
         self.tokens_out = 0
         self.finished_requests = 0
         self.waiting_requests = 0
@@ -372,8 +409,23 @@ class OpenAIService:
             def factory():
                 return build_drafter(spec, target, cost)
 
-        return cls(config, tokenizer, target.vocab_size, target.eos_token_ids,
-                   lambda: BatchEngine(target, factory, batch), spec.name, target.check_fits)
+        metrics = ServeMetrics()
+        factory, learner = attach_learner(config.learner, spec.name, factory,
+                                          f"{os.uname().nodename}-{os.getpid()}", metrics.registry)
+        feedback = learner.hook if learner is not None else None
+        supervisor = None
+        if factory is not None and config.drafter_placement is DrafterPlacement.WORKER:
+            if learner is not None:
+                raise ConfigError("serve.drafter_placement: worker cannot be combined with an active learner yet "
+                                  "(its weight swaps reach in-process drafters only); use in_process")
+            supervisor = supervisor_from_config(config, target.vocab_size,
+                                                lambda e: metrics.drafter_events.labels(e.value).inc())
+            factory = supervised_factory(supervisor, factory)
+        service = cls(config, tokenizer, target.vocab_size, target.eos_token_ids,
+                      lambda: BatchEngine(target, factory, batch, feedback=feedback), spec.name, target.check_fits,
+                      metrics=metrics, learner=learner)
+        service.drafter_supervisor = supervisor
+        return service
 
     # -- endpoints ----------------------------------------------------------------------------------
     def authorize(self, header: str | None) -> None:
@@ -391,6 +443,11 @@ class OpenAIService:
         """``(HTTP status, body)``: 200 while the engine runs and is not stalled, else 503."""
         body = {"status": self.engine.state.value, "model": self.config.model_name, "method": self.method,
                 "live_requests": self.engine.live, "engine_steps": self.engine.steps}
+        if self.learner is not None:
+            body["learner"] = self.learner.status()
+        if self.drafter_supervisor is not None:
+            body["drafter_worker"] = {"state": self.drafter_supervisor.state.value,
+                                      **dataclasses.asdict(self.drafter_supervisor.counters)}
         stalled = self.engine.stalled_for()
         if stalled > self.config.stall_timeout_s:
             body["status"] = "stalled"
@@ -420,7 +477,12 @@ class OpenAIService:
 
     def shutdown(self) -> bool:
         """Drain in-flight requests (bounded by ``drain_timeout_s``) and stop the engine thread."""
-        return self.engine.stop(self.config.drain_timeout_s)
+        drained = self.engine.stop(self.config.drain_timeout_s)
+        if self.learner is not None:
+            self.learner.close()
+        if self.drafter_supervisor is not None:
+            self.drafter_supervisor.shutdown()
+        return drained
 
     # -- request preparation --------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -592,6 +654,8 @@ class OpenAIService:
             p.gained += u.step.tokens_gained
             p.accepted += u.step.accepted
             p.drafted += u.step.drafted
+            p.fallback_steps += int(u.step.stats.get(FALLBACK_STAT, 0))
+            p.rebuilds += int(u.step.stats.get(REBUILD_STAT, 0))
             m.acceptance.labels(self.method).observe(u.step.tokens_gained)
             m.accepted.labels(self.method).inc(u.step.accepted)
             m.drafted.labels(self.method).inc(u.step.drafted)
@@ -637,6 +701,11 @@ class OpenAIService:
 
     def _stats(self, p: _Progress) -> SpecStats:
         tau = p.gained / p.steps if p.steps else 1.0
+        sup = self.drafter_supervisor
+        if sup is not None:
+            return WorkerSpecStats(method=self.method, tau=tau, accepted_tokens=p.accepted, drafted_tokens=p.drafted,
+                                   verify_steps=p.steps, drafter_fallback_steps=p.fallback_steps,
+                                   drafter_rebuilds=p.rebuilds, drafter_worker_restarts=sup.counters.restarts)
         return SpecStats(method=self.method, tau=tau, accepted_tokens=p.accepted, drafted_tokens=p.drafted,
                          verify_steps=p.steps)
 
@@ -649,14 +718,14 @@ class OpenAIService:
         return ChatCompletionResponse(
             id=job.request_id, created=int(time.time()), model=self.config.model_name,
             choices=[ChatChoice(message=ChatMessageOut(content=p.text), finish_reason=self._reason(p))],
-            usage=self._usage(job, p), graftblock=self._stats(p)).model_dump()
+            usage=self._usage(job, p), graftblock=self._stats(p)).model_dump(serialize_as_any=True)
 
     def _completion_response(self, job: _Job, first: tuple[_Progress, str]) -> dict:
         p = first[0]
         return CompletionResponse(
             id=job.request_id, created=int(time.time()), model=self.config.model_name,
             choices=[CompletionChoice(text=p.text, finish_reason=self._reason(p))],
-            usage=self._usage(job, p), graftblock=self._stats(p)).model_dump()
+            usage=self._usage(job, p), graftblock=self._stats(p)).model_dump(serialize_as_any=True)
 
     async def _chat_chunks(self, job: _Job, first: tuple[_Progress, str],
                            rest: AsyncIterator[tuple[_Progress, str]]) -> AsyncIterator[str]:
@@ -667,7 +736,7 @@ class OpenAIService:
                 id=job.request_id, created=created, model=model,
                 choices=[ChatChunkChoice(delta=delta, finish_reason=self._reason(p) if p else None)],
                 usage=self._usage(job, p) if p else None, graftblock=self._stats(p) if p else None)
-            return _sse(c.model_dump(exclude_none=True))
+            return _sse(c.model_dump(exclude_none=True, serialize_as_any=True))
 
         yield chunk(ChatDelta(role="assistant", content=""), None)
         async for text in self._sse_body(first, rest, lambda d: chunk(ChatDelta(content=d), None),
@@ -683,7 +752,7 @@ class OpenAIService:
                 id=job.request_id, created=created, model=model,
                 choices=[CompletionChoice(text=delta, finish_reason=self._reason(p) if p else None)],
                 usage=self._usage(job, p) if p else None, graftblock=self._stats(p) if p else None)
-            return _sse(c.model_dump(exclude_none=True))
+            return _sse(c.model_dump(exclude_none=True, serialize_as_any=True))
 
         async for text in self._sse_body(first, rest, lambda d: chunk(d, None), lambda p, d: chunk(d, p)):
             yield text
@@ -752,8 +821,19 @@ class _RunReporter:
                "finished_requests": float(s.finished_requests), "generated_tokens": float(tokens)}
         if s.verify_steps:
             out[f"{s.method}.tau"] = s.tokens_gained / s.verify_steps
+        if s.learner is not None:
+            out.update(s.learner.sample())
         self._last = (now, tokens)
         return out
+
+    def _log_decisions(self) -> None:
+        """Every learner decision as ``learner.<metric>`` (and ``learner.outcome.<name>`` = 1) at
+        step = its index among the replica's decisions."""
+        if self.service.learner is None:
+            return
+        for index, d in self.service.learner.take_decisions():
+            self.run.log({**{f"learner.{k}": v for k, v in d.metrics().items()},
+                          f"learner.outcome.{d.outcome.value}": 1.0}, index)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.config.metrics_interval_s):
@@ -763,6 +843,7 @@ class _RunReporter:
         try:
             self.run.log(self.sample(), self._step)
             self._step += 1
+            self._log_decisions()
         except Exception:  # a tracking hiccup must not take serving down; it is logged
             log.exception("could not log serving metrics to MLflow")
 

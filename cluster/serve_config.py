@@ -8,6 +8,7 @@ field is documented below; errors name the field and the allowed range (:class:`
 from __future__ import annotations
 
 import dataclasses
+import enum
 import ipaddress
 import math
 from collections.abc import Mapping
@@ -31,6 +32,125 @@ def _seconds(name: str, value: Any, hi: float = 86400.0) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)) \
             or not 0 < value <= hi:
         raise ConfigError(f"serve.{name} must be a number of seconds in (0, {hi}], got {value!r}")
+
+
+class DrafterPlacement(str, enum.Enum):
+    """Where a replica's per-sequence drafters run (``serve.drafter_placement``)."""
+
+    IN_PROCESS = "in_process"
+    """In the replica's engine thread (no Ray calls on the step path)."""
+    WORKER = "worker"
+    """In one ``DrafterWorker`` actor per replica, through fault-tolerant proxies
+    (``cluster.resilient_drafter``): a dead or hung worker costs speculation, never a token."""
+
+
+LEARNER_POLICIES = ("static", "always", "periodic", "cost_aware")
+"""Values of ``learner.policy`` (``adaptation.controller.Policy``)."""
+
+
+@dataclass(frozen=True)
+class LearnerServeConfig:
+    """The ``learner`` section: online adaptation inside the server (ALGORITHMS.md section 8).
+
+    Only a learned feature drafter (``eagle3``, ``specblock``) can be adapted. With a method that
+    is not learnable (``vanilla``, ``retrieval``, ``graft``) an enabled learner is a no-op: the
+    replica logs one line saying so and starts no actor. The embedded default
+    (``serve_local.yaml``) serves ``retrieval``, so there its learner is such a no-op.
+    """
+
+    enabled: bool = True
+    """Run the learner (one shared named Ray actor per application) when the method is learnable."""
+    policy: str = "cost_aware"
+    """Update policy: static, always, periodic or cost_aware (the gated bandit)."""
+    decide_every_steps: int = 64
+    """Verify steps (feedback records) between decision rounds. Range [1, 1000000]."""
+    horizon_s: float = 60.0
+    """Gain horizon in seconds (N = request-rate EMA x horizon). Range (0, 86400]."""
+    budgets: tuple[int, ...] = (0, 32, 128, 512)
+    """Bandit arms: optimizer steps per update (0 = skip). Each in [0, 100000]."""
+    fixed_budget: int = 32
+    """Optimizer steps of an ``always`` update. Range [1, 100000]."""
+    periodic_rounds: int = 4
+    """Rounds between ``periodic`` updates. Range [1, 100000]."""
+    periodic_budget: int = 128
+    """Optimizer steps of a ``periodic`` update. Range [1, 100000]."""
+    guard_window: int = 32
+    """Verify steps the swap guard watches after an applied update. Range [1, 100000]."""
+    lr: float = 3e-4
+    """AdamW learning rate of an update. Range (0, 1]."""
+    heldout_sequences: int = 4
+    """Most recent requests kept apart for the gain replay. Range [1, 10000]."""
+    min_train_sequences: int = 1
+    """Finished requests in the train part before any update. Range [1, 10000]."""
+    max_queue: int = 256
+    """Feedback records queued on the replica; a record arriving at a full queue is dropped
+    (counted in ``graftblock_learner_feedback_dropped``), decode never waits. Range [1, 1000000]."""
+    batch_records: int = 32
+    """Records per ``feed`` call to the learner. Range [1, 100000]."""
+    max_inflight: int = 4
+    """Outstanding ``feed`` calls per replica; batches beyond it are dropped. Range [1, 1024]."""
+    num_cpus: float = 0.25
+    """CPUs the learner actor reserves (a fraction: it must not pin serving cores). Range [0, 64]."""
+    max_restarts: int = 3
+    """Times Ray restarts a killed learner (it reloads its last published weights). Range [0, 1000]."""
+    torch_threads: int = 1
+    """torch intra-op threads in the learner actor. Range [1, 256]."""
+    actor_name: str = "graftblock-learner"
+    """Name of the shared learner actor (namespace ``graftblock``); replicas get or create it."""
+    checkpoint_dir: str = "graftblock-learner"
+    """Directory of the learner's drafter and its last published weights, which a restarted learner
+    reloads (relative paths resolve against the working directory of the process that loads the
+    config; on a multi-node cluster use a path every node sees). A new application starts from the
+    configured drafter: the weights left there by an earlier application are cleared."""
+    poll_interval_s: float = 1.0
+    """Seconds between a replica's checks for newly published weights. Range (0, 3600]."""
+    call_timeout_s: float = 10.0
+    """Timeout of every ``ray.get`` on the learner (a hung learner costs updates, never requests).
+    Range (0, 3600]."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"serve.learner.enabled must be true or false, got {self.enabled!r}")
+        if self.policy not in LEARNER_POLICIES:
+            raise ConfigError(f"serve.learner.policy must be one of {list(LEARNER_POLICIES)}, got {self.policy!r}")
+        for name, hi in (("decide_every_steps", 1_000_000), ("fixed_budget", 100_000), ("periodic_rounds", 100_000),
+                         ("periodic_budget", 100_000), ("guard_window", 100_000), ("heldout_sequences", 10_000),
+                         ("min_train_sequences", 10_000), ("max_queue", 1_000_000), ("batch_records", 100_000),
+                         ("max_inflight", 1024), ("torch_threads", 256)):
+            _int(f"learner.{name}", getattr(self, name), 1, hi)
+        _int("learner.max_restarts", self.max_restarts, 0, 1000)
+        budgets = tuple(self.budgets) if isinstance(self.budgets, (list, tuple)) else self.budgets
+        if not isinstance(budgets, tuple) or not budgets:
+            raise ConfigError(f"serve.learner.budgets must be a non-empty list of integers, got {self.budgets!r}")
+        for b in budgets:
+            _int("learner.budgets[]", b, 0, 100_000)
+        object.__setattr__(self, "budgets", budgets)
+        _seconds("learner.horizon_s", self.horizon_s)
+        _seconds("learner.poll_interval_s", self.poll_interval_s, 3600.0)
+        _seconds("learner.call_timeout_s", self.call_timeout_s, 3600.0)
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr <= 1:
+            raise ConfigError(f"serve.learner.lr must be a number in (0, 1], got {self.lr!r}")
+        if isinstance(self.num_cpus, bool) or not isinstance(self.num_cpus, (int, float)) \
+                or not 0 <= self.num_cpus <= 64:
+            raise ConfigError(f"serve.learner.num_cpus must be a number in [0, 64], got {self.num_cpus!r}")
+        for name in ("actor_name", "checkpoint_dir"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ConfigError(f"serve.learner.{name} must be a non-empty string, got {getattr(self, name)!r}")
+        # resolved where the config is loaded (the driver), so every replica and the learner agree
+        object.__setattr__(self, "checkpoint_dir", str(Path(self.checkpoint_dir).expanduser().resolve()))
+
+
+def learner_config_from_dict(data: Any) -> LearnerServeConfig:
+    """:class:`LearnerServeConfig` from the ``learner`` mapping, rejecting unknown keys by name."""
+    if isinstance(data, LearnerServeConfig):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"serve.learner must be a mapping of learner options, got {data!r}")
+    names = {f.name for f in dataclasses.fields(LearnerServeConfig)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"serve.learner: unknown key(s) {unknown}; allowed: {sorted(names)}")
+    return LearnerServeConfig(**data)
 
 
 @dataclass(frozen=True)
@@ -79,6 +199,18 @@ class ServeConfig:
     """Ray resources per replica, e.g. ``{CPU: 1}`` here or ``{GPU: 1, CPU: 4}`` on a GPU node."""
     max_ongoing_requests: int = 64
     """Requests Ray Serve routes to one replica at a time (the rest queue in the proxy). Range [1, 100000]."""
+    drafter_placement: DrafterPlacement = DrafterPlacement.IN_PROCESS
+    """``in_process`` or ``worker`` (:class:`DrafterPlacement`). Ignored for ``vanilla`` (no drafter)."""
+    drafter_worker_cpus: float = 0.25
+    """CPUs the drafter worker actor reserves (a fraction: it must not pin serving cores). Range [0, 64]."""
+    drafter_worker_max_restarts: int = 10
+    """Times Ray restarts a dead drafter worker; past that the replica creates a new one. Range [0, 1000]."""
+    drafter_call_timeout_s: float = 5.0
+    """Timeout of every ``ray.get`` on the drafter worker; past it the step runs without speculation and
+    the worker is restarted. Range (0, 3600], below ``stall_timeout_s``."""
+    drafter_restart_timeout_s: float = 60.0
+    """Longest wait for Ray to restart a failed drafter worker before a new actor is created (sequences
+    decode without speculation meanwhile). Range (0, 3600]."""
     ray_address: str | None = None
     """Ray cluster to join (``auto``, ``ray://...``); None = start a local Ray instance."""
     ray_num_cpus: int | None = None
@@ -91,6 +223,8 @@ class ServeConfig:
     """MLflow experiment of the serving runs."""
     metrics_interval_s: float = 10.0
     """Seconds between the periodic MLflow metric logs. Range (0, 86400]."""
+    learner: LearnerServeConfig = field(default_factory=LearnerServeConfig)
+    """Online adaptation of the drafter while serving (:class:`LearnerServeConfig`; a mapping in YAML)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -124,6 +258,21 @@ class ServeConfig:
             _int("torch_threads", self.torch_threads, 1, 256)
         _int("num_replicas", self.num_replicas, 1, 1024)
         _int("max_ongoing_requests", self.max_ongoing_requests, 1, 100000)
+        try:
+            object.__setattr__(self, "drafter_placement", DrafterPlacement(self.drafter_placement))
+        except ValueError:
+            raise ConfigError(f"serve.drafter_placement must be one of {[p.value for p in DrafterPlacement]}, "
+                              f"got {self.drafter_placement!r}") from None
+        cpus = self.drafter_worker_cpus
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0 <= cpus <= 64:
+            raise ConfigError(f"serve.drafter_worker_cpus must be a number in [0, 64], got {cpus!r}")
+        _int("drafter_worker_max_restarts", self.drafter_worker_max_restarts, 0, 1000)
+        _seconds("drafter_call_timeout_s", self.drafter_call_timeout_s, 3600.0)
+        _seconds("drafter_restart_timeout_s", self.drafter_restart_timeout_s, 3600.0)
+        if self.drafter_placement is DrafterPlacement.WORKER and self.drafter_call_timeout_s >= self.stall_timeout_s:
+            raise ConfigError(f"serve.drafter_call_timeout_s ({self.drafter_call_timeout_s:g}) must be below "
+                              f"serve.stall_timeout_s ({self.stall_timeout_s:g}): a slow drafter call must become "
+                              "a step without speculation before the engine counts as stalled")
         if not isinstance(self.replica_resources, Mapping) or not self.replica_resources:
             raise ConfigError("serve.replica_resources must be a non-empty mapping of Ray resource -> amount")
         for name, amount in self.replica_resources.items():
@@ -135,6 +284,7 @@ class ServeConfig:
                 raise ConfigError("serve.ray_num_cpus applies to a local Ray instance only (ray_address is set)")
         if not isinstance(self.experiment, str) or not self.experiment:
             raise ConfigError("serve.experiment must be a non-empty experiment name")
+        object.__setattr__(self, "learner", learner_config_from_dict(self.learner))
 
     @property
     def model_name(self) -> str:

@@ -19,6 +19,8 @@ distributed target, which is what they will really pay), passed to their builder
 from __future__ import annotations
 
 import functools
+import os
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +34,11 @@ from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutco
 
 class WeightsNotSupportedError(TypeError):
     """The hosted drafter has no weights to swap."""
+
+
+class UnknownSlotError(KeyError):
+    """The worker holds no drafter in that slot (never loaded, unloaded, or the actor restarted
+    since: a restarted actor starts empty)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,12 @@ class DrafterWorker:
         self.vocab_size = vocab_size
         self.slots: dict[str, _Slot] = {}
         self.weights_version: dict[str, int] = {}
+        self._incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+    def incarnation(self) -> str:
+        """An id of this actor process's life: it changes when Ray restarts the actor (its slots
+        are then empty). A supervisor's liveness probe."""
+        return self._incarnation
 
     def _build(self, spec: MethodSpec, cost_model: VerifyCostModel | None) -> Drafter:
         size = spec.config.verify_curve_size() if spec.config is not None else 0
@@ -129,7 +142,7 @@ class DrafterWorker:
         try:
             return self.slots[slot]
         except KeyError:
-            raise KeyError(f"drafter worker has no slot {slot!r}; loaded: {sorted(self.slots)}") from None
+            raise UnknownSlotError(f"drafter worker has no slot {slot!r}; loaded: {sorted(self.slots)}") from None
 
     def traits(self, slot: str) -> DrafterTraits:
         d = self._slot(slot).drafter

@@ -21,8 +21,10 @@ Ask for ``num_cpus=0`` or a fraction (a long-lived actor must not pin the 2 CPUs
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +41,44 @@ from adaptation.online import StateDict, TrainableDrafter
 WEIGHTS_FILE = "learner_weights.safetensors"
 VERSION_FILE = "learner_version.json"
 DRAFTER_FILE = "drafter.pkl"
+
+
+def weights_digest(state: StateDict) -> str:
+    """sha256 over the state's names, shapes, dtypes and bytes (sorted by name): a weights identity
+    that survives a round trip through the checkpoint."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class LearnerReport:
+    """What a serving replica pulls from the learner (:meth:`Learner.published`).
+
+    Attributes:
+        version: published weights version (0 = the drafter's own weights, nothing published).
+        weights: ``[ref]``, the ObjectRef of the published state (``ray.put`` once per publish;
+            kept in a list so Ray hands over the reference, not the tensors), or ``[]`` at version 0.
+        digest: :func:`weights_digest` of the published weights ("" at version 0).
+        decisions: the learner's decisions from index ``since`` on.
+        total_decisions: decisions this incarnation made in all.
+        incarnation: a fresh id per actor start (a change means the learner restarted).
+        restored: whether this incarnation reloaded published weights from the checkpoint.
+        restored_version, restored_digest: what it reloaded (0 and "" when not restored).
+    """
+
+    version: int
+    weights: list[Any]
+    digest: str
+    decisions: list[Decision]
+    total_decisions: int
+    incarnation: str
+    restored: bool
+    restored_version: int = 0
+    restored_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,18 +137,26 @@ class Learner:
         self.checkpoint = WeightsCheckpoint(checkpoint_dir)
         saved = self.checkpoint.load()
         self.restored = saved is not None
+        self.incarnation = uuid.uuid4().hex
         self.controller = AdaptationController(drafter, self._publish, config,
                                                weights=saved[0] if saved else None)
+        self._ref: Any = None
+        self._digest = ""
         if saved is not None:
+            import ray
+
             self.controller.version = saved[1]
+            self._ref, self._digest = ray.put(saved[0]), weights_digest(saved[0])
+        self._restored_from = (self.controller.version, self._digest)
 
     def _publish(self, state: StateDict) -> None:
         import ray
 
+        ref = ray.put(state)  # once per publish: workers and pulling replicas share this copy
         if self.targets:
-            ref = ray.put(state)
             ray.get([t.worker.swap_weights.remote(t.slot, ref) for t in self.targets])
         self.checkpoint.save(state, self.controller.version + 1)
+        self._ref, self._digest = ref, weights_digest(state)
 
     # ------------------------------------------------------------------ calls
     def feed(self, records: list[FeedbackRecord]) -> int:
@@ -125,6 +173,13 @@ class Learner:
 
     def decisions(self) -> list[Decision]:
         return list(self.controller.decisions)
+
+    def published(self, since: int = 0) -> LearnerReport:
+        """The published weights (by reference) and the decisions from index ``since`` on."""
+        decisions = list(self.controller.decisions)
+        return LearnerReport(self.controller.version, [self._ref] if self._ref is not None else [], self._digest,
+                             decisions[since:], len(decisions), self.incarnation, self.restored,
+                             *self._restored_from)
 
     def summary(self) -> dict[str, float]:
         return {**self.controller.summary(), "restored": float(self.restored),
@@ -159,8 +214,8 @@ class RemoteFeed:
         self._pending = deque(rest)
         for ref in done:
             try:
-                ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                ray.get(ref, timeout=0)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError):
                 self.failed += 1
 
     def __call__(self, batch: list[FeedbackRecord]) -> None:
@@ -189,16 +244,17 @@ def wait_until_ready(learner: Any, timeout_s: float = 120.0) -> None:
         try:
             ray.get(learner.pid.remote(), timeout=max(1.0, deadline - time.monotonic()))
             return
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # restarting, or not yet up
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the learner actor did not come back within {timeout_s} s") from None
             time.sleep(0.5)
 
 
 def spawn_learner(drafter: TrainableDrafter, config: ControllerConfig, checkpoint_dir: str | Path,
-                  targets: Sequence[SwapTarget] = (), **options: Any) -> Any:
+                  targets: Sequence[SwapTarget] = (), torch_threads: int | None = 1, **options: Any) -> Any:
     """Start a ``Learner`` actor for ``drafter`` (written to ``checkpoint_dir`` first, see
-    :class:`Learner`); ``options`` go to Ray (defaults of :func:`make_learner_class`)."""
+    :class:`Learner`); ``options`` go to Ray (defaults of :func:`make_learner_class`; with
+    ``name=`` and ``get_if_exists=True`` an existing named learner is returned instead)."""
     from workers.drafter_worker import pack_drafter
 
     directory = Path(checkpoint_dir)
@@ -206,7 +262,7 @@ def spawn_learner(drafter: TrainableDrafter, config: ControllerConfig, checkpoin
     tmp = directory / (DRAFTER_FILE + ".tmp")
     tmp.write_bytes(pack_drafter(drafter))
     tmp.replace(directory / DRAFTER_FILE)
-    return make_learner_class(**options).remote(config, str(directory), list(targets))
+    return make_learner_class(**options).remote(config, str(directory), list(targets), torch_threads)
 
 
 def make_learner_class(**options):
