@@ -123,6 +123,8 @@ class RayDeployment:
         local_target: an in-process target of the same model, if the caller has one: drafters are
             then built against it (feature drafters need its weights) and shipped to the worker.
             Without it the worker builds drafters that need only the vocabulary size (retrieval).
+        name_prefix: if set, shard k is the named actor ``<name_prefix>-shard-<k>`` (in the caller's
+            namespace; ``ray.get_actor`` finds it), e.g. for a serving replica's ``/health`` and tests.
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class RayDeployment:
         dtype: str | DType,
         aux_layers: tuple[int, int, int] | None = None,
         local_target=None,
+        name_prefix: str | None = None,
     ) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -173,6 +176,8 @@ class RayDeployment:
                     max_sequences=topology.max_sequences,
                 )
                 opts = _actor_options(bundles[k], self.pg, k, topology.actor_env)
+                if name_prefix is not None:
+                    opts["name"] = f"{name_prefix}-shard-{k}"
                 # Restarted by Ray after a crash; calls are not retried (the batched backend
                 # re-prefills the shard's sequences and retries the whole step itself).
                 cls = make_actor_class(**opts, max_restarts=topology.max_restarts, max_task_retries=0)

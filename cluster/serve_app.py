@@ -77,6 +77,7 @@ from cluster.resilient_drafter import (FALLBACK_STAT, REBUILD_STAT, DrafterWorke
                                        supervisor_from_config)
 from cluster.serve_config import DrafterPlacement, ServeConfig, serve_config_from_dict
 from cluster.serve_learner import ReplicaLearner, attach_learner
+from cluster.serve_shards import ShardedServeTarget, check_shardable
 from speculation.config import BatchConfig, ConfigError, SamplingConfig, from_dict
 from speculation.engine import AdmissionError, BatchEngine, FinishReason, QueueFullError, Request, SequenceUpdate
 from speculation.target import ContextLengthError
@@ -364,6 +365,8 @@ class OpenAIService:
 
     drafter_supervisor: DrafterWorkerSupervisor | None = None
     """The replica's drafter worker (``drafter_placement: worker``), or None (drafters in process)."""
+    sharded_target: ShardedServeTarget | None = None
+    """The replica's target shard actors (``target_shards`` >= 1), or None (target in process)."""
 
     def __init__(self, config: ServeConfig, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
                  engine_factory: EngineFactory, method: str, check_fits: Callable[[int, int], None],
@@ -391,20 +394,45 @@ class OpenAIService:
         import torch
 
         from speculation import assets
-        from speculation.cost import measure_cost_model
-        from speculation.drafters import build_drafter, resolve_methods
+        from speculation.drafters import resolve_methods
         from speculation.target import TargetModel
 
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         spec = resolve_methods([config.method], config.methods)[0]
         batch = batch_config(config)
-        model, tokenizer = assets.load_model_and_tokenizer(config.model, config.dtype.torch)
-        target = TargetModel(model, tokenizer)
+        sharded = None
+        if config.target_shards:
+            check_shardable(config, spec)
+            tokenizer = assets.load_tokenizer(config.model)
+            sharded = ShardedServeTarget(config, f"graftblock-target-{os.uname().nodename}-{os.getpid()}",
+                                         tokenizer)
+            target = sharded.target
+        else:
+            model, tokenizer = assets.load_model_and_tokenizer(config.model, config.dtype.torch)
+            target = TargetModel(model, tokenizer)
+        try:
+            service = cls._build(config, spec, batch, target, tokenizer)
+        except BaseException:
+            if sharded is not None:
+                sharded.shutdown()
+            raise
+        service.sharded_target = sharded
+        return service
+
+    @classmethod
+    def _build(cls, config: ServeConfig, spec: Any, batch: BatchConfig, target: Any,
+               tokenizer: Any) -> "OpenAIService":
+        """The drafter factory, learner, drafter worker and batched engine over ``target``."""
+        from speculation.cost import measure_cost_model
+        from speculation.drafters import build_drafter
+
         factory = None
         if spec.config is not None:
             size = spec.config.verify_curve_size()
             cost = measure_cost_model(target, max_size=size) if size else None
+            if cost is not None and config.target_shards:
+                target.sync()  # the batch-1 calls of the measurement, checked before serving
 
             def factory():
                 return build_drafter(spec, target, cost)
@@ -448,6 +476,8 @@ class OpenAIService:
         if self.drafter_supervisor is not None:
             body["drafter_worker"] = {"state": self.drafter_supervisor.state.value,
                                       **dataclasses.asdict(self.drafter_supervisor.counters)}
+        if self.sharded_target is not None:
+            body["target_shards"] = self.sharded_target.status()
         stalled = self.engine.stalled_for()
         if stalled > self.config.stall_timeout_s:
             body["status"] = "stalled"
@@ -482,6 +512,8 @@ class OpenAIService:
             self.learner.close()
         if self.drafter_supervisor is not None:
             self.drafter_supervisor.shutdown()
+        if self.sharded_target is not None:
+            self.sharded_target.shutdown()
         return drained
 
     # -- request preparation --------------------------------------------------------------------

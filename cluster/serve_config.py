@@ -211,6 +211,21 @@ class ServeConfig:
     drafter_restart_timeout_s: float = 60.0
     """Longest wait for Ray to restart a failed drafter worker before a new actor is created (sequences
     decode without speculation meanwhile). Range (0, 3600]."""
+    target_shards: int = 0
+    """Where a replica's target runs: 0 = in the replica's process; N >= 1 = N pipeline ``TargetShard``
+    actors (contiguous layer ranges, placed by ``cluster.deploy.RayDeployment``) driven by
+    ``cluster.batch_backend.RayBatchTarget``: one call per shard per engine step; a shard that Ray
+    restarts gets its live sequences re-prefilled from their tokens and the step is retried. Only
+    ``vanilla`` and ``retrieval`` run over shards (feature drafters need the target's weights in the
+    replica). Range [0, 256], at most the model's layer count."""
+    shard_cpus: float = 0.25
+    """CPUs each shard actor reserves (a fraction is fine). Range (0, 64]."""
+    shard_max_restarts: int = 3
+    """Times Ray restarts a dead shard actor (each restart re-prefills its sequences); past that the
+    requests in flight fail with a ``ShardLostError``. Range [0, 1000]."""
+    shard_restart_timeout_s: float = 45.0
+    """Longest an engine step waits for Ray to restart a dead shard (it reloads its layers). Range
+    (0, 3600], below ``stall_timeout_s`` (the step blocks meanwhile)."""
     ray_address: str | None = None
     """Ray cluster to join (``auto``, ``ray://...``); None = start a local Ray instance."""
     ray_num_cpus: int | None = None
@@ -273,6 +288,17 @@ class ServeConfig:
             raise ConfigError(f"serve.drafter_call_timeout_s ({self.drafter_call_timeout_s:g}) must be below "
                               f"serve.stall_timeout_s ({self.stall_timeout_s:g}): a slow drafter call must become "
                               "a step without speculation before the engine counts as stalled")
+        _int("target_shards", self.target_shards, 0, 256)
+        sc = self.shard_cpus
+        if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not 0 < sc <= 64 \
+                or (sc > 1 and sc != int(sc)):
+            raise ConfigError(f"serve.shard_cpus must be a number in (0, 64] (whole above 1), got {sc!r}")
+        _int("shard_max_restarts", self.shard_max_restarts, 0, 1000)
+        _seconds("shard_restart_timeout_s", self.shard_restart_timeout_s, 3600.0)
+        if self.target_shards and self.shard_restart_timeout_s >= self.stall_timeout_s:
+            raise ConfigError(f"serve.shard_restart_timeout_s ({self.shard_restart_timeout_s:g}) must be "
+                              f"below serve.stall_timeout_s ({self.stall_timeout_s:g}): a step waiting for a "
+                              "restarted shard must not count as a stalled engine")
         if not isinstance(self.replica_resources, Mapping) or not self.replica_resources:
             raise ConfigError("serve.replica_resources must be a non-empty mapping of Ray resource -> amount")
         for name, amount in self.replica_resources.items():
