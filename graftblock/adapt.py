@@ -3,8 +3,17 @@
     graftblock adapt-bench --drafter eagle3 --policies static,always,periodic,cost_aware \\
         --phases chat,code,math,translation --requests-per-phase 40 --json OUT.json
 
-The stream takes Spec-Bench first turns phase by phase (chat = writing/roleplay/humanities/stem,
-code = coding, math = math/math_reasoning, translation = translation). Every policy has its own
+    graftblock adapt-bench --stream ray_configs/stream_domain_shift.yaml --drafter specblock \\
+        --policies static,always,periodic,cost_aware,config_ucb --config-arms pareto_front.yaml --json OUT.json
+
+The stream is a :class:`StreamSpec` (``--stream`` YAML: phases with a dataset source, categories,
+request count and order); without one it takes Spec-Bench first turns phase by phase (chat =
+writing/roleplay/humanities/stem, code = coding, math = math/math_reasoning, translation =
+translation). The ``config_ucb`` policy adapts the *tree configuration* instead of the weights:
+:class:`~adaptation.config_bandit.ConfigAdapter` picks one of ``--config-arms`` (the Pareto front
+``graftblock compare`` writes) per request by UCB on measured tokens/s, scoring the other arms on
+the verified trajectory (full information); its ``cost_s`` is that scoring time (charged to its
+wall time) and its ``regret`` is in tokens/s summed over requests. Every policy has its own
 drafter (same starting weights) and :class:`~adaptation.controller.AdaptationController`; requests
 are interleaved policy by policy, so machine noise hits them alike. Feedback is drained and
 rounds run inside the decode loop's feedback hook, on the same cores: a request's wall time
@@ -15,8 +24,11 @@ cost*. Output JSON::
      "policies": {"<name>": {"tokens_per_s", "tau", "updates", "rollbacks", "gated", "cost_s",
                              "regret" (cost_aware: vs the best fixed arm, seconds; else null),
                              "lossless" (greedy: token-identical to the first policy),
-                             "per_phase": {"<phase>": {"tokens_per_s", "tau", "requests"}},
-                             "tau_series": [per request], "decisions": [...]}}}
+                             "per_phase": {"<phase>": {"tokens_per_s", "tau", "requests",
+                                                       "tau_series", "tokens_per_s_series"}},
+                             "tau_series": [per request], "tokens_per_s_series": [per request],
+                             "phase_series": [per request], "decisions": [...],
+                             config_ucb only: "arm_series", "config_bandit": {regret, pulls, arms …}}}}
 
 Every decision is also an MLflow metric of the run (``tracking.adaptation``).
 """
@@ -32,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from speculation.config import ConfigError
 
 PHASE_CATEGORIES: dict[str, tuple[str, ...]] = {
@@ -40,11 +54,173 @@ PHASE_CATEGORIES: dict[str, tuple[str, ...]] = {
     "math": ("math", "math_reasoning"),
     "translation": ("translation",),
 }
-"""Stream phase -> the Spec-Bench categories its requests come from (taken round-robin)."""
+"""Stream phase -> the Spec-Bench categories its requests come from (taken round-robin), without ``--stream``."""
 
 DRAFTERS = ("eagle3", "specblock")
+CONFIG_POLICY = "config_ucb"
+"""The config-adaptation policy (:mod:`adaptation.config_bandit`); the others are weight-update policies."""
+DEFAULT_REQUESTS_PER_PHASE = 40
 
 
+# ---------------------------------------------------------------------------- the stream spec
+class PhaseOrder(str, enum.Enum):
+    """How a phase takes its questions: alternating between its categories, or in file order."""
+
+    ROUND_ROBIN = "round_robin"
+    FILE = "file"
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """One phase of a request stream.
+
+    Attributes:
+        name: the phase's label in the results (unique in the stream).
+        source: ``spec_bench``, a packaged dataset (``humaneval``, ``asdiv``, ``translation``,
+            ``nq_open``, ``xsum``; :data:`speculation.assets.PACKAGED_DATASETS`) or the path of a
+            jsonl in Spec-Bench's question format (relative to the stream file).
+        categories: keep only these categories of the source (empty = all). A packaged dataset's
+            category is its own name.
+        requests: requests in the phase. >= 1.
+        order: :class:`PhaseOrder`.
+    """
+
+    name: str
+    source: str
+    categories: tuple[str, ...] = ()
+    requests: int = DEFAULT_REQUESTS_PER_PHASE
+    order: PhaseOrder = PhaseOrder.ROUND_ROBIN
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A domain-shifting request stream: phases served in order (``--stream`` YAML)::
+
+        name: domain_shift
+        requests_per_phase: 40            # default of every phase's ``requests``
+        phases:
+          - {name: chat, source: spec_bench, categories: [writing, roleplay, humanities, stem]}
+          - {name: code, source: humaneval}
+    """
+
+    phases: tuple[PhaseSpec, ...]
+    name: str = "stream"
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> StreamSpec:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--stream: {p} does not exist")
+        try:
+            doc = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--stream {p}: not valid YAML ({exc})") from None
+        return cls.from_dict(doc, p.parent)
+
+    @classmethod
+    def from_dict(cls, doc: Any, base_dir: Path = Path(".")) -> StreamSpec:
+        """Validate a stream document; every error names ``stream.<field>`` and what it allows."""
+        from speculation import assets
+
+        if not isinstance(doc, dict):
+            raise ConfigError(f"stream must be a mapping with 'phases', got {type(doc).__name__}")
+        _no_unknown(doc, {"name", "requests_per_phase", "phases"}, "stream")
+        default = doc.get("requests_per_phase", DEFAULT_REQUESTS_PER_PHASE)
+        _check_count(default, "stream.requests_per_phase")
+        name = doc.get("name", "stream")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"stream.name must be a non-empty string, got {name!r}")
+        raw_phases = doc.get("phases")
+        if not isinstance(raw_phases, list) or not raw_phases:
+            raise ConfigError(f"stream.phases must be a non-empty list of phases, got {raw_phases!r}")
+        known = (assets.SPEC_BENCH, *assets.PACKAGED_DATASETS)
+        phases, seen = [], set()
+        for i, raw in enumerate(raw_phases):
+            where = f"stream.phases[{i}]"
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
+            _no_unknown(raw, {"name", "source", "categories", "requests", "order"}, where)
+            pname = raw.get("name")
+            if not isinstance(pname, str) or not pname:
+                raise ConfigError(f"{where}.name must be a non-empty string, got {pname!r}")
+            if pname in seen:
+                raise ConfigError(f"{where}.name {pname!r} repeats an earlier phase; names must be unique")
+            seen.add(pname)
+            source = raw.get("source")
+            if not isinstance(source, str) or not source:
+                raise ConfigError(f"{where}.source must be one of {list(known)} or a question file, got {source!r}")
+            if source not in known:
+                path = (base_dir / source) if not Path(source).is_absolute() else Path(source)
+                if not path.is_file():
+                    raise ConfigError(f"{where}.source {source!r} is neither a dataset ({', '.join(known)}) "
+                                      f"nor a file (looked for {path})")
+                source = str(path)
+            cats = raw.get("categories", [])
+            if not isinstance(cats, list) or not all(isinstance(c, str) and c for c in cats):
+                raise ConfigError(f"{where}.categories must be a list of non-empty strings, got {cats!r}")
+            requests = raw.get("requests", default)
+            _check_count(requests, f"{where}.requests")
+            try:
+                order = PhaseOrder(raw.get("order", PhaseOrder.ROUND_ROBIN.value))
+            except ValueError:
+                raise ConfigError(f"{where}.order must be one of {[o.value for o in PhaseOrder]}, "
+                                  f"got {raw.get('order')!r}") from None
+            phases.append(PhaseSpec(pname, source, tuple(cats), requests, order))
+        return cls(tuple(phases), name)
+
+    @classmethod
+    def from_phase_names(cls, names: list[str], dataset: str, requests: int) -> StreamSpec:
+        """The stream without ``--stream``: :data:`PHASE_CATEGORIES` taken from ``dataset``."""
+        for p in names:
+            if p not in PHASE_CATEGORIES:
+                raise ConfigError(f"--phases: unknown phase {p!r}; choose from {sorted(PHASE_CATEGORIES)}")
+        return cls(tuple(PhaseSpec(p, dataset, PHASE_CATEGORIES[p], requests) for p in names), "phases")
+
+    def with_requests(self, requests: int) -> StreamSpec:
+        """Every phase with ``requests`` requests (``--requests-per-phase`` over a stream file)."""
+        return dataclasses.replace(self, phases=tuple(dataclasses.replace(p, requests=requests) for p in self.phases))
+
+
+def _no_unknown(raw: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _check_count(v: Any, where: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{where} must be an integer >= 1, got {v!r}")
+
+
+def stream_questions(spec: StreamSpec, strict_categories: bool = True) -> list[tuple[str, str]]:
+    """``(phase, first turn)`` per request, phase by phase. A ConfigError names a phase that is
+    short, or (``strict_categories``: a stream file) a category its source does not have."""
+    from speculation import assets
+
+    cache: dict[str, list[Any]] = {}
+    out: list[tuple[str, str]] = []
+    for i, ph in enumerate(spec.phases):
+        if ph.source not in cache:
+            cache[ph.source] = assets.load_questions(ph.source)
+        questions = cache[ph.source]
+        cats = ph.categories or tuple(dict.fromkeys(q.category for q in questions))
+        missing = [c for c in cats if not any(q.category == c for q in questions)]
+        if missing and (strict_categories or len(missing) == len(cats)):
+            raise ConfigError(f"stream.phases[{i}].categories: {missing} not in {ph.source} "
+                              f"(it has {sorted({q.category for q in questions})})")
+        if ph.order is PhaseOrder.FILE:
+            picked = [q for q in questions if q.category in cats]
+        else:
+            pools = [[q for q in questions if q.category == c] for c in cats]
+            picked = [pool[j] for j in range(max(map(len, pools))) for pool in pools if j < len(pool)]
+        if len(picked) < ph.requests:
+            raise ConfigError(f"stream.phases[{i}].requests {ph.requests}: phase {ph.name!r} has only "
+                              f"{len(picked)} questions in {ph.source}")
+        out.extend((ph.name, q.turns[0]) for q in picked[: ph.requests])
+    return out
+
+
+# ---------------------------------------------------------------------------- CLI
 def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``adapt-bench`` on the CLI's sub-parsers."""
     p = sub.add_parser("adapt-bench", help="online adaptation policies on a domain-shift stream")
@@ -53,12 +229,16 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--drafter", default="eagle3", choices=DRAFTERS)
     p.add_argument("--config", default=None, help="YAML: drafter name -> options (as for bench)")
-    p.add_argument("--policies", default="static,always,periodic,cost_aware")
+    p.add_argument("--policies", default="static,always,periodic,cost_aware",
+                   help=f"comma-separated: static, always, periodic, cost_aware, {CONFIG_POLICY} (needs --config-arms)")
+    p.add_argument("--stream", default=None, help="stream spec YAML (e.g. ray_configs/stream_domain_shift.yaml); "
+                                                  "replaces --phases/--dataset")
     p.add_argument("--phases", default="chat,code,math,translation")
     p.add_argument("--dataset", default="spec_bench",
                    help="spec_bench, or a jsonl in Spec-Bench's question format whose categories include "
                         "the phases' (see PHASE_CATEGORIES)")
-    p.add_argument("--requests-per-phase", type=int, default=40)
+    p.add_argument("--requests-per-phase", type=int, default=None,
+                   help=f"requests per phase (default {DEFAULT_REQUESTS_PER_PHASE}; overrides the stream file's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="keep only the last N prompt tokens (0 = whole prompts; for small-context models)")
@@ -73,6 +253,11 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unroll-steps", type=int, default=0, help="TTT steps / blocks per batch (0 = family default)")
     p.add_argument("--window-tokens", type=int, default=128, help="longest training window per sequence")
     p.add_argument("--heldout", type=int, default=4, help="held-out requests in the replay buffer")
+    p.add_argument("--config-arms", default=None,
+                   help=f"{CONFIG_POLICY}: arm file (the pareto_front.yaml `graftblock compare` writes)")
+    p.add_argument("--config-ucb-scale", type=float, default=1.0, help=f"{CONFIG_POLICY}: UCB exploration scale c")
+    p.add_argument("--no-full-information", action="store_true",
+                   help=f"{CONFIG_POLICY}: do not score the other arms on the verified trajectory")
     p.add_argument("--json", required=True, help="where to write the result JSON")
     p.add_argument("--no-mlflow", action="store_true")
     p.add_argument("--tracking-uri", default=None)
@@ -83,34 +268,25 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
 @dataclass
 class _PolicyRun:
     name: str
-    drafter: Any
-    controller: Any
-    sink: Any
+    drafter: Any = None
+    controller: Any = None
+    sink: Any = None
+    adapter: Any = None  # config_ucb: a ConfigAdapter (no drafter, controller or sink)
     tokens: list[list[int]] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
+    arms: list[str] = field(default_factory=list)
     decisions: list[Any] = field(default_factory=list)
 
 
-def _stream(tokenizer, dataset: str, phases: list[str], per_phase: int,
-            max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
+def _encode(tokenizer, turns: list[tuple[str, str]], max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
     from speculation import assets
 
-    questions = assets.load_questions(dataset)
-    out: list[tuple[str, list[int]]] = []
-    for phase in phases:
-        pools = [[q for q in questions if q.category == c] for c in PHASE_CATEGORIES[phase]]
-        picked = []
-        i = 0
-        while len(picked) < per_phase and any(i < len(pool) for pool in pools):
-            picked.extend(pool[i] for pool in pools if i < len(pool))
-            i += 1
-        if len(picked) < per_phase:
-            raise ConfigError(f"--requests-per-phase {per_phase}: phase {phase!r} has only {len(picked)} questions")
-        for q in picked[:per_phase]:
-            ids = assets.encode_turn(tokenizer, [], q.turns[0])
-            out.append((phase, ids[-max_prompt_tokens:] if max_prompt_tokens else ids))
+    out = []
+    for phase, text in turns:
+        ids = assets.encode_turn(tokenizer, [], text)
+        out.append((phase, ids[-max_prompt_tokens:] if max_prompt_tokens else ids))
     return out
 
 
@@ -130,36 +306,47 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def _parse_args(args: argparse.Namespace) -> tuple[list[str], list[str], tuple[int, ...]]:
+def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[int, ...]]:
     from adaptation.controller import Policy
 
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
+        if p == CONFIG_POLICY:
+            continue
         try:
             Policy(p)
         except ValueError:
-            raise ConfigError(f"--policies: unknown policy {p!r}; choose from {[x.value for x in Policy]}") from None
-    phases = [p for p in args.phases.split(",") if p]
-    for p in phases:
-        if p not in PHASE_CATEGORIES:
-            raise ConfigError(f"--phases: unknown phase {p!r}; choose from {sorted(PHASE_CATEGORIES)}")
+            raise ConfigError(f"--policies: unknown policy {p!r}; choose from "
+                              f"{[x.value for x in Policy] + [CONFIG_POLICY]}") from None
+    if CONFIG_POLICY in policies and not args.config_arms:
+        raise ConfigError(f"--policies {CONFIG_POLICY} needs --config-arms FILE (graftblock compare's pareto_front.yaml)")
     try:
         budgets = tuple(int(b) for b in args.budgets.split(","))
     except ValueError:
         raise ConfigError(f"--budgets must be comma-separated integers, got {args.budgets!r}") from None
     if args.max_prompt_tokens < 0:
         raise ConfigError(f"--max-prompt-tokens must be >= 0, got {args.max_prompt_tokens}")
-    if args.requests_per_phase < 1:
+    if args.requests_per_phase is not None and args.requests_per_phase < 1:
         raise ConfigError(f"--requests-per-phase must be >= 1, got {args.requests_per_phase}")
-    if not policies or not phases:
-        raise ConfigError("--policies and --phases must each name at least one entry")
-    return policies, phases, budgets
+    if not policies:
+        raise ConfigError("--policies must name at least one policy")
+    if args.stream:
+        stream = StreamSpec.from_yaml(args.stream)
+        if args.requests_per_phase is not None:
+            stream = stream.with_requests(args.requests_per_phase)
+    else:
+        phases = [p for p in args.phases.split(",") if p]
+        if not phases:
+            raise ConfigError("--phases must name at least one phase")
+        stream = StreamSpec.from_phase_names(phases, args.dataset, args.requests_per_phase or DEFAULT_REQUESTS_PER_PHASE)
+    return policies, stream, budgets
 
 
 def cmd_adapt_bench(args: argparse.Namespace) -> int:
     import torch
 
     from adaptation.bandit import BanditConfig
+    from adaptation.config_bandit import ConfigAdapter, ConfigBanditConfig, load_arms
     from adaptation.controller import AdaptationController, ControllerConfig, Policy
     from adaptation.feedback import BufferConfig, FeedbackSink
     from adaptation.online import OnlineConfig
@@ -169,7 +356,10 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     from speculation.drafters import build_drafter, resolve_methods
     from speculation.engine import generate_speculative
 
-    policies, phases, budgets = _parse_args(args)
+    policies, stream_spec, budgets = _parse_args(args)
+    turns = stream_questions(stream_spec, strict_categories=bool(args.stream))  # fail on a short phase before loading anything
+    arms = load_arms(args.config_arms) if CONFIG_POLICY in policies else []
+    config_bandit = ConfigBanditConfig(ucb_scale=args.config_ucb_scale, full_information=not args.no_full_information)
     if args.threads:
         torch.set_num_threads(args.threads)
     log = None
@@ -178,8 +368,9 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
 
         log = AdaptationLog(args.experiment, args.tracking_uri)
     target = _load_target(args.model, args.dtype)
-    stream = _stream(target.tokenizer, args.dataset, phases, args.requests_per_phase, args.max_prompt_tokens)
-    spec = resolve_methods([args.drafter], _load_yaml(args.config))[0]
+    stream = _encode(target.tokenizer, turns, args.max_prompt_tokens)
+    weight_policies = [p for p in policies if p != CONFIG_POLICY]
+    spec = resolve_methods([args.drafter], _load_yaml(args.config))[0] if weight_policies else None
     engine = EngineConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=True, sampling=SamplingConfig(temperature=0.0))
     base = dict(
         decide_every_steps=args.decide_every_steps, horizon_s=args.horizon_s, fixed_budget=args.fixed_budget,
@@ -190,10 +381,15 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     )
     if log is not None:
         log.log_params({"model": args.model, "dtype": args.dtype, "drafter": args.drafter, "policies": args.policies,
-                        "phases": args.phases, "dataset": args.dataset, "requests_per_phase": args.requests_per_phase,
-                        "max_new_tokens": args.max_new_tokens, "controller": _jsonable(ControllerConfig(**base))})
+                        "stream": _jsonable(stream_spec), "dataset": args.dataset,
+                        "max_new_tokens": args.max_new_tokens, "controller": _jsonable(ControllerConfig(**base)),
+                        **({"config_bandit": _jsonable(config_bandit), "config_arms": [a.name for a in arms]}
+                           if arms else {})})
     runs: list[_PolicyRun] = []
     for name in policies:
+        if name == CONFIG_POLICY:
+            runs.append(_PolicyRun(name, adapter=ConfigAdapter(target, arms, config_bandit)))
+            continue
         drafter = build_drafter(spec, target)
         controller = AdaptationController(drafter, drafter.load_state_dict,
                                           ControllerConfig(policy=Policy(name), **base))
@@ -204,28 +400,40 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
 
     for i, (phase, prompt) in enumerate(stream):
         for run in runs:
-            hook = run.sink.hook(i)
+            if run.adapter is not None:
+                t0 = time.perf_counter()
+                served = run.adapter.serve(prompt, engine)  # the arms' scoring is charged to the request
+                run.walls.append(time.perf_counter() - t0)
+                res = served.result
+                run.arms.append(served.decision.arm)
+                if log is not None:
+                    log.log_config_round(run.name, served.decision.arm,
+                                         served.decision.metrics(run.adapter.arm_ids))
+            else:
+                hook = run.sink.hook(i)
 
-            def feedback(ctx, outcome, _hook=hook, _sink=run.sink):
-                _hook(ctx, outcome)
-                _sink.drain()  # rounds run here, between decode steps, on the serving cores
+                def feedback(ctx, outcome, _hook=hook, _sink=run.sink):
+                    _hook(ctx, outcome)
+                    _sink.drain()  # rounds run here, between decode steps, on the serving cores
 
-            t0 = time.perf_counter()
-            res = generate_speculative(target, run.drafter, prompt, engine, feedback=feedback)
-            run.walls.append(time.perf_counter() - t0)
-            run.sink.end_request(i)
+                t0 = time.perf_counter()
+                res = generate_speculative(target, run.drafter, prompt, engine, feedback=feedback)
+                run.walls.append(time.perf_counter() - t0)
+                run.sink.end_request(i)
             run.tokens.append(res.tokens)
             run.taus.append(sum(s.tokens_gained for s in res.steps) / max(1, len(res.steps)))
             run.phases.append(phase)
         print(f"[{i + 1}/{len(stream)}] {phase}: " + "  ".join(
-            f"{r.name} tau={r.taus[-1]:.2f} v{r.controller.version}" for r in runs), flush=True)
+            f"{r.name} tau={r.taus[-1]:.2f} " + (f"arm={r.arms[-1]}" if r.adapter is not None else f"v{r.controller.version}")
+            for r in runs), flush=True)
 
-    result = _summarise(args, runs, phases)
+    result = _summarise(args, runs, stream_spec)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if log is not None:
-        log.finish({k: {kk: vv for kk, vv in v.items() if kk not in ("decisions", "tau_series")}
+        skip = ("decisions", "tau_series", "tokens_per_s_series", "phase_series", "arm_series", "config_bandit")
+        log.finish({k: {kk: vv for kk, vv in v.items() if kk not in skip}
                     for k, v in result["policies"].items()}, [out])
     for name, p in result["policies"].items():
         print(f"{name:>10}: {p['tokens_per_s']:.2f} tok/s  tau {p['tau']:.3f}  updates {p['updates']}  "
@@ -234,26 +442,39 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], phases: list[str]) -> dict[str, Any]:
+def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamSpec) -> dict[str, Any]:
     ref = runs[0].tokens
+    phases = [p.name for p in stream.phases]
     policies: dict[str, Any] = {}
     for run in runs:
-        s = run.controller.summary()
         n_tok = sum(len(t) for t in run.tokens)
+        speeds = [len(t) / w for t, w in zip(run.tokens, run.walls)]
         per_phase = {}
         for ph in phases:
             idx = [j for j, p in enumerate(run.phases) if p == ph]
             per_phase[ph] = {
                 "tokens_per_s": sum(len(run.tokens[j]) for j in idx) / sum(run.walls[j] for j in idx),
                 "tau": sum(run.taus[j] for j in idx) / len(idx), "requests": len(idx),
+                "tau_series": [run.taus[j] for j in idx], "tokens_per_s_series": [speeds[j] for j in idx],
             }
+        common = {"tokens_per_s": n_tok / sum(run.walls), "tau": sum(run.taus) / len(run.taus),
+                  "lossless": run.tokens == ref, "per_phase": per_phase, "tau_series": run.taus,
+                  "tokens_per_s_series": speeds, "phase_series": run.phases}
+        if run.adapter is not None:
+            s = run.adapter.summary()
+            policies[run.name] = {
+                **common, "updates": 0, "rollbacks": 0, "gated": 0, "cost_s": s["score_s"],
+                "regret": s["regret"], "best_fixed_arm": s["best_fixed_arm"], "arm_series": run.arms,
+                "config_bandit": s, "decisions": _jsonable(run.adapter.decisions),
+            }
+            continue
+        s = run.controller.summary()
         policies[run.name] = {
-            "tokens_per_s": n_tok / sum(run.walls), "tau": sum(run.taus) / len(run.taus),
-            "updates": int(s["updates"]), "rollbacks": int(s["rollbacks"]), "gated": int(s["gated"]),
+            **common, "updates": int(s["updates"]), "rollbacks": int(s["rollbacks"]), "gated": int(s["gated"]),
             "cost_s": s["cost_s"], "regret": s.get("regret_s"), "best_fixed_arm": s.get("best_fixed_arm"),
-            "lossless": run.tokens == ref, "per_phase": per_phase, "tau_series": run.taus,
             "decisions": _jsonable(run.controller.decisions),
         }
-    return _jsonable({"model": args.model, "dtype": args.dtype, "drafter": args.drafter, "phases": phases,
-                      "requests_per_phase": args.requests_per_phase, "max_new_tokens": args.max_new_tokens,
-                      "lossless_reference": runs[0].name, "policies": policies})
+    return _jsonable({"model": args.model, "dtype": args.dtype, "drafter": args.drafter, "stream": stream.name,
+                      "phases": phases, "requests_per_phase": {p.name: p.requests for p in stream.phases},
+                      "max_new_tokens": args.max_new_tokens, "lossless_reference": runs[0].name,
+                      "policies": policies})

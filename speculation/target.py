@@ -17,12 +17,17 @@ indices ``[2, L // 2, L - 3]`` (the inputs of layers 2, L/2 and L-3), concatenat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from speculation.kv_slots import KVSlotPool
 from speculation.tree import DraftTree
+
+if TYPE_CHECKING:
+    # Imported where a pool is made: kv_slots needs transformers >= 5.23 (DummyLayer), and the
+    # vLLM peer environment (transformers < 5.20) imports this module without batching.
+    from speculation.kv_slots import KVSlotPool
 
 
 class ContextLengthError(ValueError):
@@ -223,6 +228,8 @@ class TargetModel:
     # ------------------------------------------------------------------ continuous batching (slots)
     def new_slot_pool(self, max_sequences: int, max_tokens: int) -> KVSlotPool:
         """A KV pool of ``max_sequences`` slots of ``max_tokens`` rows for this model."""
+        from speculation.kv_slots import KVSlotPool
+
         return KVSlotPool(self.num_layers, max_sequences, max_tokens)
 
     @torch.inference_mode()

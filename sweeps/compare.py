@@ -6,7 +6,8 @@
 Rows are (run, method) pairs: a sweep trial contributes its swept method, a ``graftblock bench``
 run every non-vanilla method it measured. Metrics follow the bench JSON names
 (``<method>.speedup`` …). The Pareto plot shows speedup against tree size and against
-drafting share (front: higher speedup at lower cost). ``best_config.yaml`` holds the finished
+drafting share (front: higher speedup at lower cost); ``pareto_front.yaml`` lists the configs on the
+speedup-vs-tree-size front as arms of ``graftblock adapt-bench --config-arms``. ``best_config.yaml`` holds the finished
 row best by ``--metric`` (highest speedup by default; cost metrics such as drafting share are
 minimised, :data:`METRICS`) as ``<method>: {knob: value, …}``, the format of
 ``graftblock bench --config``.
@@ -21,12 +22,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from speculation.config import ConfigError
 import tracking
+
+if TYPE_CHECKING:
+    from adaptation.config_bandit import ConfigArm
 
 class Direction(str, enum.Enum):
     """Whether more of a metric is better (MAX) or less (MIN)."""
@@ -237,6 +241,31 @@ def best_config(row: Row) -> dict[str, dict[str, Any]]:
     return out
 
 
+def pareto_arms(rows: list[Row], metric: str = "speedup") -> list[ConfigArm]:
+    """The finished rows on the Pareto front of ``metric`` against the first of
+    :func:`pareto_axes` (tree size for speedup), as config-bandit arms
+    (:mod:`adaptation.config_bandit`), best ``metric`` first."""
+    from adaptation.config_bandit import ConfigArm  # torch-heavy: only when arms are written
+
+    xkey = pareto_axes(metric)[0]
+    done = [r for r in rows if r.status == "FINISHED" and r.metrics.get(metric) is not None
+            and r.metrics.get(xkey) is not None]
+    front = pareto_front([(r.metrics[xkey], r.metrics[metric]) for r in done], (METRICS[xkey], METRICS[metric]))
+    picked = sorted((done[i] for i in front), key=lambda r: r.metrics[metric], reverse=METRICS[metric] == Direction.MAX)
+    arms, seen = [], set()
+    for r in picked:
+        name = f"{r.method}{_label(r)}" if r.trial_number is not None else f"{r.method}@{r.run_name}"
+        while name in seen:
+            name += "'"
+        seen.add(name)
+        try:
+            opts = best_config(r)[r.method]
+        except ConfigError:  # a row whose options no longer resolve cannot be served as an arm
+            continue
+        arms.append(ConfigArm(name, r.method, opts, {k: v for k, v in r.metrics.items() if v is not None}))
+    return arms
+
+
 def render_table(rows: list[Row], title: str, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -263,8 +292,8 @@ def compare(
     metric: str = "speedup",
     console=None,
 ) -> CompareReport:
-    """Collect rows, print the table, write ``pareto.png``, ``runs.json`` and ``best_config.yaml``
-    (best by ``metric`` in its direction)."""
+    """Collect rows, print the table, write ``pareto.png``, ``runs.json``, ``pareto_front.yaml``
+    (the front's configs: config-bandit arms) and ``best_config.yaml`` (best by ``metric`` in its direction)."""
     check_metric(metric)
     rows = collect_rows(experiment, uri, study)
     out = Path(out_dir)
@@ -274,6 +303,12 @@ def compare(
     runs_json = out / "runs.json"
     runs_json.write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
     files.append(runs_json)
+    from adaptation.config_bandit import PARETO_FILE, write_arms
+
+    arms = pareto_arms(rows, metric)
+    if arms:  # the arm set of `graftblock adapt-bench --config-arms` (config adaptation)
+        files.append(write_arms(out / PARETO_FILE, arms, f"# Pareto front ({metric} vs {pareto_axes(metric)[0]}) "
+                                f"of MLflow experiment {experiment!r}\n"))
     best = best_row(rows, metric)
     best_info = None
     if best is not None:
