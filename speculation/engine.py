@@ -25,13 +25,13 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 
 from speculation import verify as V
 from speculation.config import BatchConfig, EngineConfig, SamplingConfig
-from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
+from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome, propose_many
 from speculation.cost import RankAcceptance
 from speculation.goodput import BatchCostModel, measure_batch_cost, split_budget
 from speculation.target import ContextLengthError, SlotState, TargetModel, TreeForward
@@ -225,10 +225,15 @@ class _Sequence:
             return DraftTree(self.ctx.root_token), None, 0.0
         ta = time.perf_counter()
         proposal = self.drafter.propose(self.ctx)
+        return self.take(proposal, max_tree, time.perf_counter() - ta)
+
+    @staticmethod
+    def take(proposal: Proposal, max_tree: int | None, seconds: float) -> tuple[DraftTree, Proposal, float]:
+        """``proposal``'s tree cut to its best ``max_tree`` nodes (root included), the proposal, seconds."""
         tree = proposal.tree
         if max_tree is not None and len(tree) > max_tree:
             tree = tree.pruned_to(max_tree - 1)
-        return tree, proposal, time.perf_counter() - ta
+        return tree, proposal, seconds
 
     def settle(
         self,
@@ -425,7 +430,8 @@ class BatchEngine:
     verified together in ONE target forward per step.
 
     A step (1) admits waiting requests into free KV slots (prefill per sequence, first token),
-    (2) drafts one tree per live sequence (the root alone for vanilla), cut to the sequence's
+    (2) drafts one tree per live sequence (the root alone for vanilla; drafters sharing a network
+    run one forward per drafting stage for all of them, :func:`_propose_batch`), cut to the sequence's
     share of the step's tree-token budget and to the rows left in its slot, (3) verifies every
     tree in one :meth:`~speculation.target.TargetModel.verify_batch` forward, (4) accepts, commits
     and observes per sequence (the same :class:`_Sequence` logic as the solo loops), and
@@ -596,7 +602,7 @@ class BatchEngine:
     def _verify_step(self, prefill_tokens: dict[str, list[int]]) -> list[SequenceUpdate]:
         lives = list(self._live.values())
         caps = self._tree_caps(lives)
-        proposed = [lv.seq.propose(cap) for lv, cap in zip(lives, caps)]
+        proposed = _propose_batch([lv.seq for lv in lives], caps)
         trees = [p[0] for p in proposed]
         split_stats: dict[str, float] = {}
         if self._goodput:
@@ -644,6 +650,18 @@ class BatchEngine:
             self.step()
             results.update(self.finished_results())
         return results
+
+
+def _propose_batch(seqs: list[_Sequence], caps: list[int]) -> list[tuple[DraftTree, Proposal | None, float]]:
+    """Every sequence's tree for this step: drafters sharing a network propose together, one
+    forward per drafting stage (:func:`~speculation.drafters.base.propose_many`; retrieval and
+    other drafters per sequence); vanilla sequences verify the root alone."""
+    out: list[tuple[DraftTree, Proposal | None, float]] = [(DraftTree(s.ctx.root_token), None, 0.0) for s in seqs]
+    drafted = [i for i, s in enumerate(seqs) if s.drafter is not None]
+    proposals = propose_many([cast(Drafter, seqs[i].drafter) for i in drafted], [seqs[i].ctx for i in drafted])
+    for i, (proposal, seconds) in zip(drafted, proposals):
+        out[i] = _Sequence.take(proposal, caps[i], seconds)
+    return out
 
 
 def _record(tree: DraftTree, res: V.VerifyResult, proposal: Proposal | None, gained: int, draft_s: float,

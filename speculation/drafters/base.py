@@ -5,11 +5,17 @@ Per request the decode loop calls ``begin`` once after prefill, then per step ``
 ``observe`` with what the target accepted. ``observe`` is also the feedback record that online
 adaptation consumes, so it carries the aux hidden states at accepted positions and, when the
 drafter asks for it, the target's top-k at every verified node.
+
+Batching (optional capability): a :class:`BatchDrafter` proposes for many sequences at once, one
+network forward per drafting stage for all of those whose drafters share the network;
+:func:`propose_many` (the batching engine) and :func:`draft_many` (Graft's drafter stage) group
+drafters by class and :meth:`BatchDrafter.batch_key`, and call everything else per sequence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -141,3 +147,94 @@ class StagedDrafter(Drafter, Protocol):
         self, ctx: DraftContext, budget: int | Callable[[int], int], stop: StopRule | None = None
     ) -> tuple[DraftTree, int, int]:
         ...
+
+
+DraftResult = tuple[DraftTree, int, int]
+"""``(tree, drafter forwards, levels drafted)``: what :meth:`StagedDrafter.draft` returns."""
+
+
+@runtime_checkable
+class BatchDrafter(Drafter, Protocol):
+    """A drafter that can propose for many sequences in one network forward per drafting stage.
+
+    Drafters of the same class whose :meth:`batch_key` values are equal (the same network object
+    and tree knobs) are proposed for together by ``type(d).propose_batch``; each keeps its own
+    per-sequence state (context pairs, draft KV cache), batched with per-row lengths and masks.
+    ``propose(ctx)`` must equal ``propose_batch([self], [ctx])[0]`` (the solo path is the batch of one).
+    """
+
+    def batch_key(self) -> Hashable:
+        """Equal keys (same class) may share one batched forward."""
+        ...
+
+    @classmethod
+    def propose_batch(cls, drafters: Sequence[Any], ctxs: Sequence[DraftContext]) -> list[Proposal]:
+        """One proposal per drafter (``drafters[i]`` drafts for ``ctxs[i]``)."""
+        ...
+
+
+@runtime_checkable
+class BatchStagedDrafter(StagedDrafter, BatchDrafter, Protocol):
+    """A :class:`StagedDrafter` whose ``draft`` batches across sequences (Graft's drafter stage)."""
+
+    @classmethod
+    def draft_batch(
+        cls,
+        drafters: Sequence[Any],
+        ctxs: Sequence[DraftContext],
+        budgets: Sequence[int | Callable[[int], int]],
+        stops: Sequence[StopRule | None],
+    ) -> list[DraftResult]:
+        """:meth:`StagedDrafter.draft` for every row; each row stops (``stops[i]``) on its own."""
+        ...
+
+
+def batch_groups(drafters: Sequence[Any]) -> list[list[int]]:
+    """Indices of ``drafters`` grouped for batched drafting: one group per (class, batch key) of the
+    :class:`BatchDrafter` ones (first-seen order), a group of one for any other drafter."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, d in enumerate(drafters):
+        key = (type(d), d.batch_key()) if isinstance(d, BatchDrafter) else ("solo", i)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def propose_many(drafters: Sequence[Drafter], ctxs: Sequence[DraftContext]) -> list[tuple[Proposal, float]]:
+    """Proposals for many sequences, one batched call per :func:`batch_groups` group.
+
+    Returns ``(proposal, seconds)`` per drafter; a group's wall time is split equally among its
+    members (so the seconds sum to the drafting wall time of the whole batch).
+    """
+    out: list[tuple[Proposal, float] | None] = [None] * len(drafters)
+    for group in batch_groups(drafters):
+        t0 = time.perf_counter()
+        first = drafters[group[0]]
+        if isinstance(first, BatchDrafter) and len(group) > 1:
+            proposals = type(first).propose_batch([drafters[i] for i in group], [ctxs[i] for i in group])
+        else:
+            proposals = [first.propose(ctxs[group[0]])]
+        share = (time.perf_counter() - t0) / len(group)
+        for i, p in zip(group, proposals):
+            out[i] = (p, share)
+    return [o for o in out if o is not None]
+
+
+def draft_many(
+    drafters: Sequence[StagedDrafter],
+    ctxs: Sequence[DraftContext],
+    budgets: Sequence[int | Callable[[int], int]],
+    stops: Sequence[StopRule | None],
+) -> list[DraftResult]:
+    """:meth:`StagedDrafter.draft` for many sequences, one ``draft_batch`` call per group."""
+    out: list[DraftResult | None] = [None] * len(drafters)
+    for group in batch_groups(drafters):
+        first = drafters[group[0]]
+        if isinstance(first, BatchStagedDrafter) and len(group) > 1:
+            results = type(first).draft_batch([drafters[i] for i in group], [ctxs[i] for i in group],
+                                              [budgets[i] for i in group], [stops[i] for i in group])
+        else:
+            i = group[0]
+            results = [first.draft(ctxs[i], budgets[i], stops[i])]
+        for i, r in zip(group, results):
+            out[i] = r
+    return [o for o in out if o is not None]

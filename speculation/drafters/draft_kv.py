@@ -3,9 +3,16 @@
 One sequence's keys and values of the draft network: rows ``[0, length)`` hold the committed
 pairs (encoded once, kept across steps), rows after them are scratch rows for the tree drafted in
 the current step (overwritten next step).
+
+Batched drafting (many sequences, one forward) reads the caches through :func:`batch_view`: a
+``[B, nkv, N + extra, hd]`` buffer with row b's committed rows at ``[0, length_b)``, zero padding up
+to ``N = max_b length_b`` (masked out by the caller) and ``extra`` scratch rows at ``[N, N + extra)``
+shared by every row's tree. A batch of one is the cache's own storage (no copy).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -42,3 +49,34 @@ class DraftKVCache:
 
     def view(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def batch_view(caches: Sequence[DraftKVCache], lengths: Sequence[int], extra: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Keys and values of ``B`` caches as one padded batch (module docstring).
+
+    Args:
+        caches: one cache per sequence (same heads, head dim and dtype).
+        lengths: how many committed rows to take from each cache.
+        extra: scratch rows after the padded committed block.
+    Returns:
+        k, v ``[B, nkv, N + extra, hd]`` and ``N = max(lengths)``. For ``B == 1`` these are views of
+        the cache (grown to fit), so scratch writes land in its own scratch rows; otherwise a
+        zero-initialised copy (zeros, not garbage: a masked key must not turn into NaN).
+    """
+    n = max(lengths)
+    if len(caches) == 1:
+        c = caches[0]
+        c.ensure(n + extra)
+        return c.k[:, :, : n + extra], c.v[:, :, : n + extra], n
+    ref = caches[0].k
+    k = ref.new_zeros(len(caches), ref.shape[1], n + extra, ref.shape[3])
+    v = torch.zeros_like(k)
+    for b, (c, m) in enumerate(zip(caches, lengths)):
+        k[b, :, :m] = c.k[0, :, :m]
+        v[b, :, :m] = c.v[0, :, :m]
+    return k, v, n
+
+
+def length_mask(lengths: Sequence[int], width: int) -> torch.Tensor:
+    """``[B, width]`` bool: column j < lengths[b] (the committed rows of a :func:`batch_view`)."""
+    return torch.arange(width)[None, :] < torch.tensor(list(lengths))[:, None]

@@ -61,6 +61,8 @@ class Eagle3Model(DraftVocabMixin, nn.Module):
         self.lm_head = nn.Linear(H, arch.draft_vocab_size, bias=False)
         self._register_buffers()
         self.reset_parameters()
+        self.forward_calls = 0
+        """Inference forwards run by drafters on this network (a batched forward counts once)."""
 
     # ------------------------------------------------------------------ init
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -78,7 +80,7 @@ class Eagle3Model(DraftVocabMixin, nn.Module):
 
         Args:
             emb: ``[B, S, H]`` token embeddings e; hidden: ``[B, S, H]`` hidden input g (or y).
-            positions: ``[S]`` RoPE positions.
+            positions: ``[S]`` RoPE positions shared by the batch, or ``[B, S]`` per row.
         Returns:
             q ``[B, nh, S, hd]``, k ``[B, nkv, S, hd]``, v ``[B, nkv, S, hd]``.
         """
@@ -88,7 +90,9 @@ class Eagle3Model(DraftVocabMixin, nn.Module):
         q = self.q_proj(u).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)
         k = self.k_proj(u).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = self.v_proj(u).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        cos, sin = self.rope(positions, q.dtype)  # [S, hd]
+        cos, sin = self.rope(positions, q.dtype)  # [S, hd] or [B, S, hd]
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]  # [B, 1, S, hd]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k, v

@@ -11,23 +11,56 @@ resets ``encoded`` to 0, so the whole context is re-encoded with the new weights
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from speculation.drafters.base import DraftContext, StepOutcome, StopRule
+from speculation.drafters.base import DraftContext, DraftResult, Proposal, StepOutcome, StopRule
 from speculation.drafters.candidate_pool import CandidatePool, build_draft_tree, select_top
 from speculation.tree import DraftTree
+
+
+_NETWORKS: weakref.WeakValueDictionary[Hashable, Any] = weakref.WeakValueDictionary()
+
+
+def shared_network(model: Any) -> Any:
+    """``model``, or an equal network some live drafter already uses: drafters whose weights are
+    equal (same class, architecture, dtype, device and parameter values) share one network object,
+    so an engine's per-request drafters batch their forwards
+    (:class:`~speculation.drafters.base.BatchDrafter`). Sharing is by content, never by name, so
+    a retrained checkpoint is not confused with an older one. Inference never mutates a network;
+    a weight swap replaces one drafter's reference (:meth:`FeaturePairsDrafter.swap_model`) and
+    leaves the others untouched. The registry holds weak references only (one network per
+    class, architecture, dtype and device) and keeps nothing alive."""
+    p = next(model.parameters())
+    key = (type(model), repr(model.arch), p.dtype, p.device)
+    known = _NETWORKS.get(key)
+    if known is not None and known is not model:
+        a, b = known.state_dict(), model.state_dict()
+        if a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a):
+            return known
+    _NETWORKS[key] = model
+    return model
+
+
+def count_forward(model: Any) -> None:
+    """Count one inference forward of a draft network (its ``forward_calls``; a batched forward over
+    many sequences counts once)."""
+    model.forward_calls += 1
 
 
 class FeaturePairsDrafter(abc.ABC):
     """Committed-pair store, KV-cache reset hooks, thread-safe weight swaps (see module docstring).
 
-    Subclasses set ``name``, call :meth:`_init_pairs` and implement the abstract
-    :meth:`_reset_cache`, :meth:`_encode` and :meth:`_grow_pool`.
+    Subclasses set ``name`` and ``config`` (with ``total_tokens``), call :meth:`_init_pairs` and
+    implement the abstract :meth:`_reset_cache`, :meth:`_encode_batch` and :meth:`_grow_batch`
+    (batched over sequences sharing the network: :class:`~speculation.drafters.base.BatchStagedDrafter`).
     """
 
     name = "features"
@@ -88,34 +121,79 @@ class FeaturePairsDrafter(abc.ABC):
             raise ValueError(f"aux rows {outcome.aux_hidden.shape[0]} != accepted nodes {len(outcome.accepted)}")
         self._append_aux(outcome.aux_hidden)
 
-    @torch.inference_mode()
+    def batch_key(self) -> Hashable:
+        """Drafters sharing this network object and these tree knobs draft in one batched forward."""
+        return (id(self.model), repr(self.config))
+
+    @classmethod
+    def propose_batch(cls, drafters: Sequence[FeaturePairsDrafter], ctxs: Sequence[DraftContext]) -> list[Proposal]:
+        """:meth:`propose` for every sequence, one network forward per drafting stage for all of them."""
+        results = cls.draft_batch(drafters, ctxs, [d.config.total_tokens - 1 for d in drafters], [None] * len(drafters))
+        return [d._proposal(*r) for d, r in zip(drafters, results)]
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        return self.propose_batch([self], [ctx])[0]
+
     def draft(
         self, ctx: DraftContext, budget: int | Callable[[int], int], stop: StopRule | None = None
-    ) -> tuple[DraftTree, int, int]:
+    ) -> DraftResult:
         """Encode the pending pairs (one forward), grow the candidate pool (asking ``stop`` before
         each further level or block), keep the ``budget`` best nodes (``budget`` may depend on the
         levels drafted: a callable ``levels -> nodes``).
 
-        Returns ``(tree, drafter forwards, levels drafted)`` (the :class:`StagedDrafter` contract).
+        Returns ``(tree, drafter forwards, levels drafted)`` (the :class:`StagedDrafter` contract);
+        the batch of one of :meth:`draft_batch`.
         """
-        self._check_context(ctx)
-        with self._lock:
-            forwards = 0
-            if self._encoded < self._n_pairs:
-                self._encode(ctx.tokens)
-                forwards += 1
-            pool, grow_forwards, levels = self._grow_pool(stop)
-            keep = budget(levels) if callable(budget) else budget
-            tree = build_draft_tree(ctx.root_token, pool, select_top(pool, keep), self._draft_ids)
-        return tree, forwards + grow_forwards, levels
+        return self.draft_batch([self], [ctx], [budget], [stop])[0]
 
-    @abc.abstractmethod
-    def _encode(self, tokens: list[int]) -> None:
-        """Encode pairs ``[encoded, n_pairs)`` into the drafter's cache (one forward)."""
+    @classmethod
+    @torch.inference_mode()
+    def draft_batch(
+        cls,
+        drafters: Sequence[FeaturePairsDrafter],
+        ctxs: Sequence[DraftContext],
+        budgets: Sequence[int | Callable[[int], int]],
+        stops: Sequence[StopRule | None],
+    ) -> list[DraftResult]:
+        """:meth:`draft` for B sequences sharing one network: (1) one batched encode forward over
+        every row with pending pairs, (2) the batched growth (one forward per level or block for
+        the rows still growing; row i stops on ``stops[i]``), (3) per row, the ``budgets[i]`` best
+        nodes. Per row, forwards = its encode (0 or 1) + the growth forwards it took part in."""
+        if len({id(d.model) for d in drafters}) != 1 or len({repr(d.config) for d in drafters}) != 1:
+            raise ValueError(f"batched {cls.name} drafting needs drafters sharing one network and one config")
+        for d, ctx in zip(drafters, ctxs):
+            d._check_context(ctx)
+        with contextlib.ExitStack() as locks:
+            for d in drafters:
+                locks.enter_context(d._lock)
+            encode = [i for i, d in enumerate(drafters) if d._encoded < d._n_pairs]
+            if encode:
+                cls._encode_batch([drafters[i] for i in encode], [ctxs[i].tokens for i in encode])
+            grown = cls._grow_batch(drafters, stops)
+            out: list[DraftResult] = []
+            encoded = set(encode)
+            for i, (d, ctx, budget, (pool, grow_forwards, levels)) in enumerate(zip(drafters, ctxs, budgets, grown)):
+                keep = budget(levels) if callable(budget) else budget
+                tree = build_draft_tree(ctx.root_token, pool, select_top(pool, keep), d._draft_ids)
+                out.append((tree, int(i in encoded) + grow_forwards, levels))
+        return out
 
+    def _proposal(self, tree: DraftTree, forwards: int, levels: int) -> Proposal:
+        """The :class:`Proposal` of one drafted tree (subclasses add their stats)."""
+        return Proposal(tree=tree, drafter_forwards=forwards)
+
+    @classmethod
     @abc.abstractmethod
-    def _grow_pool(self, stop: StopRule | None) -> tuple[CandidatePool, int, int]:
-        """Draft from the encoded context: (pool, forwards spent, levels drafted)."""
+    def _encode_batch(cls, drafters: Sequence[FeaturePairsDrafter], tokens: Sequence[list[int]]) -> None:
+        """Encode each drafter's pairs ``[encoded, n_pairs)`` into its cache: ONE network forward."""
+
+    @classmethod
+    @abc.abstractmethod
+    def _grow_batch(
+        cls, drafters: Sequence[FeaturePairsDrafter], stops: Sequence[StopRule | None]
+    ) -> list[tuple[CandidatePool, int, int]]:
+        """Draft from each encoded context (one forward per level/block for the rows still
+        growing): per row (pool, forwards it took part in, levels drafted)."""
 
     # ------------------------------------------------------------------ weights
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -133,7 +211,7 @@ class FeaturePairsDrafter(abc.ABC):
         against ``propose``; the context is re-encoded with the new weights at the next propose."""
         if model.arch != self.model.arch:
             raise ValueError(f"cannot swap in a drafter of another architecture: {model.arch} != {self.model.arch}")
-        model = model.to(self.dtype).eval()
+        model = shared_network(model.to(self.dtype).eval())  # drafters swapped to equal weights keep batching
         draft_ids = model.draft_ids()
         with self._lock:
             self.model, self._draft_ids = model, draft_ids

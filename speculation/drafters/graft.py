@@ -37,6 +37,10 @@ and stages s_1 < ... < s_m:
    fixed before the uniforms are drawn), then both sources observe the result, and Graft updates
    the rank posterior, the gate's gain estimate, and the acceptance attribution by anchor.
 
+Batched (:meth:`GraftDrafter.propose_batch`, used by the batching engine): steps 1-2 run per
+sequence; the sequences whose gate calls the drafter run step 3 together (one drafter forward per
+level or block for all of them, each stopping at its own stage); steps 4-5 run per sequence.
+
 K_max (``dense_budget: 0``): ``K_max = argmax_K (1 + sum_{r < K-1} a_r) / (c(K, L) + d)`` with a_r the
 Beta-posterior acceptance of the drafter node of score rank r (:class:`RankAcceptance`), c the
 measured c(T, L) at the current context length and d the measured drafting time; recomputed every
@@ -48,15 +52,23 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from speculation.config import ConfigError, GraftConfig
 from speculation.cost import RankAcceptance, VerifyCostModel, measure_cost_model
-from speculation.drafters.base import DraftContext, Proposal, StagedDrafter, StepOutcome
+from speculation.drafters.base import (
+    DraftContext,
+    DraftResult,
+    Proposal,
+    StagedDrafter,
+    StepOutcome,
+    StopRule,
+    draft_many,
+)
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import build_specblock_drafter
@@ -261,6 +273,20 @@ class _Step:
     origin: dict[int, int]  # grafted node -> anchor
 
 
+@dataclass
+class _Plan:
+    """A sequence whose gate called the drafter: what its drafter stage and grafting need."""
+
+    k_max: int
+    retrieved: DraftTree  # the root retrieval tree (best-first)
+    alone: DraftTree  # ... cut to k_max: the retrieval-only tree
+    decision: GateDecision
+    stats: dict[str, float]
+    confidence: list[float]  # beam masses the prune rule saw (filled while drafting)
+    stop: StopRule  # the dynamic-depth prune rule
+    budget: Callable[[int], int]  # drafter nodes kept after ``levels`` levels
+
+
 class GraftDrafter:
     """Prune-then-graft drafter composing a tree drafter with the retrieval drafter.
 
@@ -334,7 +360,35 @@ class GraftDrafter:
         if self.drafter is not None:
             self.drafter.observe(ctx, outcome)
 
+    def batch_key(self) -> Hashable:
+        """Every Graft drafter joins one group; its tree drafters batch by their own keys."""
+        return GraftDrafter
+
     def propose(self, ctx: DraftContext) -> Proposal:
+        return self.propose_batch([self], [ctx])[0]
+
+    @classmethod
+    def propose_batch(cls, drafters: Sequence[GraftDrafter], ctxs: Sequence[DraftContext]) -> list[Proposal]:
+        """Steps 1-4 for B sequences: retrieval and the gate per sequence; the sequences whose gate
+        calls the drafter draft together (:func:`~speculation.drafters.base.draft_many`: one forward
+        per level or block for all tree drafters sharing a network; each stops on its own prune
+        rule); then pruning and grafting per sequence. The shared drafting wall time is split
+        equally among the callers (their measured d)."""
+        plans = [g._plan(ctx) for g, ctx in zip(drafters, ctxs)]
+        calls = [i for i, p in enumerate(plans) if isinstance(p, _Plan)]
+        if calls:
+            t1 = time.perf_counter()
+            staged = [cast(StagedDrafter, drafters[i].drafter) for i in calls]
+            called = [cast(_Plan, plans[i]) for i in calls]
+            results = draft_many(staged, [ctxs[i] for i in calls], [p.budget for p in called], [p.stop for p in called])
+            share = (time.perf_counter() - t1) / len(calls)
+            for i, plan, r in zip(calls, called, results):
+                plans[i] = drafters[i]._finish(ctxs[i], plan, r, share)
+        return [cast(Proposal, p) for p in plans]
+
+    def _plan(self, ctx: DraftContext) -> Proposal | _Plan:
+        """Steps 1-2: retrieve at the root and ask the gate; the retrieval-only proposal when the
+        drafter is not called, else what the drafter stage needs (budget and prune rule)."""
         cfg = self.config
         context = len(ctx.tokens)
         k_max = self.dense_budget(context)
@@ -364,10 +418,15 @@ class GraftDrafter:
             confidence.append(mass)
             return mass < cfg.threshold
 
-        t1 = time.perf_counter()
-        tree, forwards, levels = self.drafter.draft(
-            ctx, lambda lv: self.template(self.stage_of(lv), k_max).drafter_nodes, stop
-        )
+        def budget(levels: int) -> int:
+            return self.template(self.stage_of(levels), k_max).drafter_nodes
+
+        return _Plan(k_max, retrieved, alone, decision, stats, confidence, stop, budget)
+
+    def _finish(self, ctx: DraftContext, plan: _Plan, drafted: DraftResult, draft_s: float) -> Proposal:
+        """Steps 3-4 after the drafter stage (``draft_s``: this sequence's share of its wall time)."""
+        tree, forwards, levels = drafted
+        k_max = plan.k_max
         stage = self.stage_of(levels)
         tmpl = self.template(stage, k_max)
         order = sorted(range(1, len(tree)), key=lambda i: -tree.scores[i])
@@ -375,20 +434,21 @@ class GraftDrafter:
         self.ranks.observe_capacity(len(order))
         room = min(tmpl.graft_capacity, k_max - len(tree))
         t2 = time.perf_counter()
-        origin = graft_anchored(tree, self._sources(ctx, tree, retrieved, ranked, room), room)
-        t3 = time.perf_counter()
-        drafting_s, assembly_s = t3 - t1, t3 - t2
+        origin = graft_anchored(tree, self._sources(ctx, tree, plan.retrieved, ranked, room), room)
+        assembly_s = time.perf_counter() - t2
+        drafting_s = draft_s + assembly_s
         self.timing.update(stage, drafting_s)
         n = float(len(tree))
         self.hybrid_size = n if self.hybrid_size is None else 0.9 * self.hybrid_size + 0.1 * n
         anchored = sum(1 for a in origin.values() if a != ROOT)
         self.counters["grafted_anchored"] += anchored
         self.counters["grafted_root"] += len(origin) - anchored
-        self._step = _Step(tree, alone, decision, ranked, origin)
+        self._step = _Step(tree, plan.alone, plan.decision, ranked, origin)
+        stats = plan.stats
         stats.update({"drafting_s": drafting_s, "assembly_s": assembly_s, "grafted": float(len(origin)),
                       "grafted_anchored": float(anchored)})
-        if confidence:
-            stats["beam_mass"] = confidence[-1]
+        if plan.confidence:
+            stats["beam_mass"] = plan.confidence[-1]
         return self._proposal(tree, stage, forwards, stats)
 
     # ------------------------------------------------------------------ the gate and the grafts

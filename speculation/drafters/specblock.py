@@ -33,27 +33,35 @@ Per request (ALGORITHMS.md section 4):
   5. **Rerank** the pool to ``total_tokens - 1`` nodes by cumulative log-prob
      (:mod:`speculation.drafters.candidate_pool`; children never outscore parents).
 
+Batched drafting (:class:`~speculation.drafters.base.BatchStagedDrafter`): drafters sharing one
+network propose together, ONE forward for encode + block 1 of every row and one per later block
+for the rows still growing (their leaves padded to the most any row has; per-row context lengths
+padded and masked, :func:`~speculation.drafters.draft_kv.batch_view`); the solo ``propose`` is the
+batch of one.
+
 ``Proposal.drafter_forwards`` = 1 (encode + block 1) + the later blocks run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from speculation.config import SpecBlockConfig
 from speculation.cost import VerifyCostModel
-from speculation.drafters.base import DraftContext, Proposal, StopRule
+from speculation.drafters.base import Proposal, StopRule
 from speculation.drafters.checkpoint import SPECBLOCK, load_for_target
 from speculation.drafters.candidate_pool import CandidatePool
-from speculation.drafters.draft_kv import DraftKVCache
-from speculation.drafters.feature_pairs import FeaturePairsDrafter
+from speculation.drafters.draft_kv import DraftKVCache, batch_view, length_mask
+from speculation.drafters.feature_pairs import FeaturePairsDrafter, count_forward, shared_network
 from speculation.drafters.head import untrained_head
 from speculation.drafters.specblock_model import RankClass, SpecBlockArch, SpecBlockModel
 from speculation.target import TargetModel
+from speculation.tree import DraftTree
 
 SLOT0_CAPS = ((0.9, 3), (0.8, 5), (0.6, 8))
 """Adaptive width of slot 0: ``(p0 threshold, cap)``, first match wins."""
@@ -147,46 +155,64 @@ class SpecBlockDrafter(FeaturePairsDrafter):
         for c in self.caches:
             c.length = 0
 
-    # ------------------------------------------------------------------ protocol
-    def propose(self, ctx: DraftContext) -> Proposal:
-        tree, forwards, levels = self.draft(ctx, self.config.total_tokens - 1)
+    def _proposal(self, tree: DraftTree, forwards: int, levels: int) -> Proposal:
         return Proposal(tree=tree, drafter_forwards=forwards, stats={"blocks": float(levels // self.K)})
 
-    def _grow_pool(self, stop: StopRule | None) -> tuple[CandidatePool, int, int]:
-        """Block by block; ``stop(levels, pending-leaf scores)`` is asked before each later block.
-        Returns (pool, later-block forwards, levels drafted = blocks x K)."""
-        pool, blocks = self._grow(stop)
-        return pool, blocks - 1, blocks * self.K
+    # ------------------------------------------------------------------ batched internals
+    @classmethod
+    def _encode_batch(cls, drafters: Sequence[FeaturePairsDrafter], tokens: Sequence[list[int]]) -> None:
+        """Block 1 at every row's pending anchors [encoded_b, n_pairs_b) in ONE forward; all their
+        K_c slots join the row's cross cache.
 
-    # ------------------------------------------------------------------ internals
-    def _encode(self, tokens: list[int]) -> None:
-        """Block 1 at the pending anchors [encoded, n_pairs); all their K_c slots join the cross cache."""
-        m, Kc = self.model, self.Kc  # all the checkpoint's slots, even when fewer are drafted
-        n0, n1 = self._encoded, self._n_pairs
-        P = n1 - n0
-        cond = m.condition_from_aux(self._aux[n0:n1])[None]  # [1, P, H]
-        emb = self._embed(torch.tensor(tokens[n0 + 1 : n1 + 1], dtype=torch.long))[None]  # [1, P, H]
-        anchors = torch.arange(n0, n1)
-        pos = anchors[:, None] + 1 + torch.arange(Kc)  # [P, Kc]
-        # new rows (i, k) see every committed row before anchor n0, then (j, k') with j < i or
-        # (j == i and k' <= k) among the new rows
-        qa, qk = anchors.repeat_interleave(Kc), torch.arange(Kc).repeat(P)  # [P*Kc]
+        Rows are padded to the longest pending run P. Per layer, the keys of row b are a padded
+        batch (:func:`batch_view`): its committed rows ``[0, encoded_b K_c)``, padding, then the P*K_c
+        new rows at a shared offset. New query (i, k) sees the row's committed rows and new rows
+        (j, k') with j < i or (j == i and k' <= k); padded anchors come after every real one, so no
+        real query sees them.
+        """
+        ds = [cast(SpecBlockDrafter, d) for d in drafters]
+        m, Kc, K = ds[0].model, ds[0].Kc, ds[0].K  # all the checkpoint's slots, even when fewer are drafted
+        B, H = len(ds), m.arch.hidden_size
+        n0 = [d._encoded for d in ds]
+        n1 = [d._n_pairs for d in ds]
+        P = max(e - a for a, e in zip(n0, n1))
+        aux = ds[0]._aux.new_zeros(B, P, 3 * H)  # [B, P, 3H], zero padded
+        ids = torch.zeros(B, P, dtype=torch.long)
+        anchors = torch.zeros(B, P, dtype=torch.long)
+        for b, (d, a, e) in enumerate(zip(ds, n0, n1)):
+            aux[b, : e - a] = d._aux[a:e]
+            ids[b, : e - a] = torch.tensor(tokens[b][a + 1 : e + 1], dtype=torch.long)
+            anchors[b] = a + torch.arange(P)
+        cond = m.condition_from_aux(aux)  # [B, P, H]
+        emb = ds[0]._embed(ids)  # [B, P, H]
+        pos = anchors[:, :, None] + 1 + torch.arange(Kc)  # [B, P, Kc]
+        qa, qk = torch.arange(P).repeat_interleave(Kc), torch.arange(Kc).repeat(P)  # [P*Kc]
         local = (qa[None, :] < qa[:, None]) | ((qa[None, :] == qa[:, None]) & (qk[None, :] <= qk[:, None]))
-        mask = torch.cat((torch.ones(P * Kc, n0 * Kc, dtype=torch.bool), local), dim=1)  # [P*Kc, n1*Kc]
-        for c in self.caches:
-            c.ensure(n1 * Kc)
+        for d, e in zip(ds, n1):
+            for c in d.caches:
+                c.ensure(e * Kc)
+        committed = [a * Kc for a in n0]
+        bufs = [batch_view([d.caches[li] for d in ds], committed, P * Kc) for li in range(m.arch.num_layers)]
+        N = bufs[0][2]
+        mask = torch.cat((length_mask(committed, N)[:, None, :].expand(B, P * Kc, N),
+                          local[None].expand(B, P * Kc, P * Kc)), dim=2)[:, None]  # [B, 1, P*Kc, N + P*Kc]
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache = self.caches[li]
-            cache.write(n0 * Kc, k, v)
-            keys, values = cache.view(n1 * Kc)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            kbuf, vbuf, _ = bufs[li]
+            kbuf[:, :, N:] = k  # a batch of one: the cache's own rows [encoded*Kc, n_pairs*Kc)
+            vbuf[:, :, N:] = v
+            if B > 1:
+                for b, (d, a, e) in enumerate(zip(ds, n0, n1)):
+                    d.caches[li].write(a * Kc, k[b : b + 1, :, : (e - a) * Kc], v[b : b + 1, :, : (e - a) * Kc])
+            return F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=mask, enable_gqa=True)
 
-        d = m.block(cond, emb, pos, attend, slots=Kc)  # [1, P, K_c, H]
-        self._block1 = d[0, -1, : self.K]  # [K, H]: the slots drafted
-        self._encoded = n1
-        for c in self.caches:
-            c.length = n1 * Kc
+        out = m.block(cond, emb, pos, attend, slots=Kc)  # [B, P, K_c, H]
+        count_forward(m)
+        for b, (d, a, e) in enumerate(zip(ds, n0, n1)):
+            d._block1 = out[b, e - a - 1, :K]  # [K, H]: the root anchor's slots drafted
+            d._encoded = e
+            for c in d.caches:
+                c.length = e * Kc
 
     def _scratch_rows(self) -> int:
         """Rows later blocks may write after the committed ones (beam leaves x K x blocks)."""
@@ -231,68 +257,112 @@ class SpecBlockDrafter(FeaturePairsDrafter):
         return pending
 
     def _run_block(self, pending: list[PendingLeaf], scratch: int) -> torch.Tensor:
-        """One batched later block: leaf l starts from its inherited slot (cross-block inheritance).
+        """One later block of this sequence alone (:meth:`_run_blocks` for a batch of one), its keys
+        at cache rows ``scratch + l*K + k``. Returns d ``[L, K, H]``."""
+        bufs = [batch_view([c], [scratch], len(pending) * self.K) for c in self.caches]
+        return self._run_blocks([self], [pending], bufs, scratch)[0]
 
-        Its keys go to cache rows ``scratch + l*K + k``; query (l, k) sees the committed rows of
-        anchors before the root (K_c each), the leaf's TTT rows and its own slots <= k. Returns d
-        ``[L, K, H]``.
+    @classmethod
+    def _run_blocks(
+        cls, ds: Sequence[SpecBlockDrafter], pendings: Sequence[list[PendingLeaf]],
+        bufs: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scratch: int,
+    ) -> torch.Tensor:
+        """One later block for B rows in ONE forward: row b's leaf l starts from its inherited slot
+        (cross-block inheritance).
+
+        Its keys go to the batch buffers' rows ``scratch + l*K + k`` (leaves padded to the most
+        any row has, L); query (l, k) of row b sees the committed rows of b's anchors before the
+        root (K_c each), the leaf's TTT rows and its own slots <= k (a padded leaf sees only its
+        own slots). Returns d ``[B, L, K, H]``.
         """
-        m, K, n = self.model, self.K, self._encoded
-        L = len(pending)
-        cond = m.condition_from_parent(torch.stack([p.cond for p in pending]))[None]  # [1, L, H]
-        emb = self._embed(self._draft_ids[torch.tensor([p.token for p in pending])])[None]  # [1, L, H]
-        pos = (n + torch.arange(K)).expand(L, K)  # the root anchor's positions
-        cols = scratch + L * K  # capacity reserved by _grow: ensure() here would drop earlier scratch rows
-        mask = torch.zeros(L * K, cols, dtype=torch.bool)
-        mask[:, : (n - 1) * self.Kc] = True
+        m, K, Kc = ds[0].model, ds[0].K, ds[0].Kc
+        B, H = len(ds), m.arch.hidden_size
+        L = max(len(p) for p in pendings)
+        conds = torch.zeros(B, L, H, dtype=ds[0].dtype)
+        toks = torch.zeros(B, L, dtype=torch.long)
+        for b, pending in enumerate(pendings):
+            conds[b, : len(pending)] = torch.stack([p.cond for p in pending])
+            toks[b, : len(pending)] = torch.tensor([p.token for p in pending])
+        cond = m.condition_from_parent(conds)  # [B, L, H]
+        emb = ds[0]._embed(ds[0]._draft_ids[toks])  # [B, L, H]
+        n = torch.tensor([d._encoded for d in ds])
+        pos = (n[:, None] + torch.arange(K)).repeat_interleave(L, dim=0).view(B, L, K)  # the root anchor's positions
+        cols = scratch + L * K  # capacity reserved by the caller
+        mask = torch.zeros(B, L * K, cols, dtype=torch.bool)
         own = torch.arange(K)
-        for li, p in enumerate(pending):
-            r = slice(li * K, (li + 1) * K)
-            mask[r, p.ttt] = True
-            mask[r, scratch + li * K : scratch + (li + 1) * K] = own[None, :] <= own[:, None]
+        causal = own[None, :] <= own[:, None]  # [K, K]
+        for b, (d, pending) in enumerate(zip(ds, pendings)):
+            mask[b, :, : (d._encoded - 1) * Kc] = True
+            for li in range(L):
+                r = slice(li * K, (li + 1) * K)
+                if li < len(pending):
+                    mask[b, r, pending[li].ttt] = True
+                mask[b, r, scratch + li * K : scratch + (li + 1) * K] = causal
+        mask = mask[:, None]  # [B, 1, L*K, cols]
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache = self.caches[li]
-            cache.write(scratch, k, v)
-            keys, values = cache.view(cols)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            kbuf, vbuf, _ = bufs[li]
+            kbuf[:, :, scratch:cols] = k
+            vbuf[:, :, scratch:cols] = v
+            return F.scaled_dot_product_attention(q, kbuf[:, :, :cols], vbuf[:, :, :cols], attn_mask=mask,
+                                                  enable_gqa=True)
 
-        return m.block(cond, emb, pos, attend, slots=K)[0]
+        d_out = m.block(cond, emb, pos, attend, slots=K)  # [B, L, K, H]
+        count_forward(m)
+        return d_out
 
-    def _grow(self, stop: StopRule | None = None) -> tuple[CandidatePool, int]:
-        """Block 1 from the cache, then batched later blocks; returns the pool and blocks run."""
-        cfg, K, Kc = self.config, self.K, self.Kc
-        assert self._block1 is not None
-        n = self._encoded
-        for c in self.caches:  # room for every later block's rows (at most beam leaves x K each)
-            c.ensure(n * Kc + self._scratch_rows())
-        root_rows = list(range((n - 1) * Kc, (n - 1) * Kc + K))  # the root anchor's drafted slots
-        pool = CandidatePool()
-        logp, classes, top_prob = self._heads(self._block1[None])
-        pending = self._expand(pool, logp[0], classes[0], top_prob[0], self._block1, -1, 0.0, [], root_rows, True)
-        blocks = 1
-        scratch = n * Kc  # next free cache row for later blocks
+    @classmethod
+    def _grow_batch(
+        cls, drafters: Sequence[FeaturePairsDrafter], stops: Sequence[StopRule | None]
+    ) -> list[tuple[CandidatePool, int, int]]:
+        """Block 1 from each row's cache, then later blocks batched over the rows still growing
+        (one forward per block for all of them); ``stops[b](levels, pending-leaf scores)`` is asked
+        before each later block. Per row: (pool, later blocks run, levels drafted = blocks x K)."""
+        ds = [cast(SpecBlockDrafter, d) for d in drafters]
+        cfg, K, Kc, m = ds[0].config, ds[0].K, ds[0].Kc, ds[0].model
+        B = len(ds)
+        n = [d._encoded for d in ds]
+        bufs = [batch_view([d.caches[li] for d in ds], [a * Kc for a in n], ds[0]._scratch_rows())
+                for li in range(m.arch.num_layers)]  # room for every later block's rows (beam leaves x K each)
+        scratch = bufs[0][2]  # next free row for later blocks, shared by the batch
+        pools = [CandidatePool() for _ in ds]
+        block1 = torch.stack([cast(torch.Tensor, d._block1) for d in ds])  # [B, K, H]
+        logp, classes, top_prob = ds[0]._heads(block1)
+        pendings = [
+            d._expand(pool, logp[b], classes[b], top_prob[b], block1[b], -1, 0.0, [],
+                      list(range((a - 1) * Kc, (a - 1) * Kc + K)), True)  # the root anchor's drafted slots
+            for b, (d, pool, a) in enumerate(zip(ds, pools, n))
+        ]
+        blocks = [1] * B
         budget = cfg.total_tokens - 1
+        live = list(range(B))
         for _ in range(cfg.max_blocks - 1):
-            if not pending:
+            live = [b for b in live if pendings[b] and not (
+                stops[b] is not None and stops[b](blocks[b] * K, torch.tensor([p.score for p in pendings[b]])))]
+            if not live:
                 break
-            if stop is not None and stop(blocks * K, torch.tensor([p.score for p in pending])):
-                break
-            width = min(cfg.beam, max(1, (budget - pool.size) // K))
-            pending = sorted(pending, key=lambda p: -p.score)[:width]
-            L = len(pending)
-            d = self._run_block(pending, scratch)  # [L, K, H]
-            cols = scratch + L * K
-            logp, classes, top_prob = self._heads(d)
-            new_pending: list[PendingLeaf] = []
-            for li, p in enumerate(pending):
-                rows = list(range(scratch + li * K, scratch + (li + 1) * K))
-                new_pending += self._expand(pool, logp[li], classes[li], top_prob[li], d[li], p.node, p.score,
-                                            p.ttt, rows, False)
-            pending = new_pending
-            scratch = cols
-            blocks += 1
-        return pool, blocks
+            for b in live:
+                width = min(cfg.beam, max(1, (budget - pools[b].size) // K))
+                pendings[b] = sorted(pendings[b], key=lambda p: -p.score)[:width]
+            sub = bufs if len(live) == B else [(kb[live], vb[live], nn) for kb, vb, nn in bufs]
+            d = cls._run_blocks([ds[b] for b in live], [pendings[b] for b in live], sub, scratch)  # [Bl, L, K, H]
+            Bl, L = d.shape[0], d.shape[1]
+            if len(live) < B:  # write the rows back: later blocks of these rows attend to them
+                idx = torch.tensor(live)
+                for (kb, vb, _), (skb, svb, _) in zip(bufs, sub):
+                    kb[idx, :, scratch : scratch + L * K] = skb[:, :, scratch : scratch + L * K]
+                    vb[idx, :, scratch : scratch + L * K] = svb[:, :, scratch : scratch + L * K]
+            logp, classes, top_prob = (t.view(Bl, L, *t.shape[1:]) for t in ds[0]._heads(d.reshape(Bl * L, K, -1)))
+            for i, b in enumerate(live):
+                new_pending: list[PendingLeaf] = []
+                for li, p in enumerate(pendings[b]):
+                    rows = list(range(scratch + li * K, scratch + (li + 1) * K))
+                    new_pending += ds[b]._expand(pools[b], logp[i, li], classes[i, li], top_prob[i, li], d[i, li],
+                                                 p.node, p.score, p.ttt, rows, False)
+                pendings[b] = new_pending
+                blocks[b] += 1
+            scratch += L * K
+        return [(pool, nb - 1, nb * K) for pool, nb in zip(pools, blocks)]
 
 
 # ---------------------------------------------------------------------- construction
@@ -318,8 +388,9 @@ def build_specblock_drafter(
         model = random_model(target, config)
     else:
         model = load_for_target(config.checkpoint, target, SPECBLOCK)
+    model = shared_network(model.to(target.dtype))  # equal weights, one network: the engine batches its forwards
     embed = target.model.get_input_embeddings().weight.detach()
-    return SpecBlockDrafter(config, model.to(target.dtype), embed)
+    return SpecBlockDrafter(config, model, embed)
 
 
 __all__ = ["RankClass", "SpecBlockDrafter", "build_specblock_drafter", "random_model", "slot_widths"]

@@ -161,6 +161,8 @@ class SpecBlockModel(DraftVocabMixin, nn.Module):
         )
         self._register_buffers()
         self.reset_parameters()
+        self.forward_calls = 0
+        """Inference forwards run by drafters on this network (a batched forward counts once)."""
 
     # ------------------------------------------------------------------ init and vocab
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -193,7 +195,7 @@ class SpecBlockModel(DraftVocabMixin, nn.Module):
         Args:
             cond: ``[B, R, H]`` conditions c (already normalised).
             token_emb: ``[B, R, H]`` raw token embeddings Emb(x).
-            positions: ``[R, K']`` RoPE positions of the slots (shared by the batch).
+            positions: ``[R, K']`` RoPE positions of the slots (shared by the batch), or ``[B, R, K']``.
             attend: the caller's attention (see :data:`Attend`); rows are ordered (r, k).
             slots: K' <= K slots to run (a prefix of the block; default all).
         Returns:
@@ -206,7 +208,9 @@ class SpecBlockModel(DraftVocabMixin, nn.Module):
         c = cond[:, :, None].expand(B, R, Kp, H)
         e = self.embed_norm(token_emb.to(cond.dtype))[:, :, None].expand(B, R, Kp, H)
         z = self.fuse(torch.cat((c, e, u.expand(B, R, Kp, H)), dim=-1))  # [B, R, K', H]
-        cos, sin = self.rope(positions.reshape(R * Kp), z.dtype)  # [R*K', hd]
+        cos, sin = self.rope(positions.reshape(*positions.shape[:-2], R * Kp), z.dtype)  # [(B,) R*K', hd]
+        if positions.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]  # [B, 1, R*K', hd]
         for li, layer in enumerate(self.layers):
             if li > 0 and a.shift:
                 z = self._shift(li, z)
