@@ -412,13 +412,7 @@ def replay_arm(drafter: Drafter, traj: Trajectory, cost: VerifyCostTable) -> Arm
         ta = time.perf_counter()
         tree = drafter.propose(ctx).tree
         draft_s += time.perf_counter() - ta
-        accepted, node = [0], 0
-        for tok in chain[c + 1 : len(chain) - 1]:
-            child = tree.child(node, tok)
-            if child is None:
-                break
-            accepted.append(child)
-            node = child
+        accepted = tree.follow(chain[c + 1 : len(chain) - 1])
         m = len(accepted) - 1
         ctx.tokens.extend(chain[c + 1 : c + m + 2])
         gained += min(m + 1, traj.generated - generated)

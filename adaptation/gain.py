@@ -90,15 +90,8 @@ def replay_span(drafter: TrainableDrafter, seq: FeedbackSequence, start: int, en
     gained = steps = 0
     while c < end:
         tree = drafter.propose(ctx).tree
-        accepted = [0]
-        node = 0
         limit = L - 1 - c  # accepted drafts need features at their nodes
-        for tok in toks[c + 1 : c + 1 + limit]:
-            child = tree.child(node, tok)
-            if child is None:
-                break
-            accepted.append(child)
-            node = child
+        accepted = tree.follow(toks[c + 1 : c + 1 + limit])
         m = len(accepted) - 1
         new = toks[c + 1 : c + m + 2]
         ctx.tokens.extend(new)

@@ -174,6 +174,17 @@ class DraftTree:
     def path_tokens(self, node: int) -> list[int]:
         return [self.tokens[i] for i in self.path(node)]
 
+    def follow(self, tokens: Iterable[int]) -> list[int]:
+        """Nodes root..n matched by walking ``tokens`` down from the root (the greedy acceptance of
+        a known continuation): ``[0]`` when the first token is not a child of the root."""
+        accepted = [0]
+        for tok in tokens:
+            child = self.child(accepted[-1], tok)
+            if child is None:
+                break
+            accepted.append(child)
+        return accepted
+
     def leaves(self) -> list[int]:
         return [i for i in range(len(self)) if not self._children[i]]
 
