@@ -96,7 +96,7 @@ def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch):
         (["--methods", "vanilla,bogus"], "bogus"),
         (["--max-new-tokens", "0"], "max_new_tokens"),
         (["--temperature", "-1"], "temperature"),
-        (["--peers", "vllm"], "vllm"),
+        (["--peers", "vllm_medusa"], "vllm_medusa"),
     ],
 )
 def test_cli_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):

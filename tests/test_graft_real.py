@@ -1,6 +1,7 @@
 """Graft on real SmolLM2-135M weights: fp32 greedy output equals vanilla token for token.
 
-Eight Spec-Bench questions (``spec_bench_refs``: one per category, first turn, 64 new tokens),
+Eight Spec-Bench questions (``spec_bench_refs``: one per category, first turn, the first 48 of
+the 64 reference tokens, 32 for retrieval only),
 with (a) stages (0, 1, 5) over the committed EAGLE-3 checkpoint, the threshold and the drafter
 gate's warm-up set so that every stage occurs (retrieval only when the gate finds the drafter does
 not pay, pruned at depth 1 plus grafts, dense depth 5 plus grafts), (b) the
@@ -30,7 +31,7 @@ def _stages_seen(drafter: RecordingDrafter, stages: tuple[int, ...]) -> dict[int
 def test_every_stage_is_lossless_on_spec_bench(smol_fp32, spec_bench_refs):
     cfg = GraftConfig(stages=(0, 1, 5), threshold=0.4, gate_warmup=3, dense_budget=32)
     drafter = RecordingDrafter(build_graft_drafter(cfg, smol_fp32))
-    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
+    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs, 48)  # suite time: 48 of 64 tokens
     seen = _stages_seen(drafter, cfg.stages)
     print(f"graft tau {tau:.2f}, steps per stage {seen}")
     assert all(seen.values()), f"a stage never occurred, so it was not tested: {seen}"
@@ -44,7 +45,7 @@ def test_graft_over_specblock_is_lossless_on_spec_bench(smol_fp32, spec_bench_re
     assert spec.config.stages == (0, 4, 8) and spec.config.tree_type == "specblock"
     drafter = RecordingDrafter(build_drafter(spec, smol_fp32))
     assert isinstance(drafter.inner.drafter, SpecBlockDrafter)
-    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)
+    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs, 48)  # suite time: 48 of 64 tokens
     seen = _stages_seen(drafter, spec.config.stages)
     grafted = sum(p.stats["grafted"] > 0 for p in drafter.proposals)
     print(f"graft over specblock tau {tau:.2f}, steps per stage {seen}, steps with grafts {grafted}")
@@ -56,4 +57,5 @@ def test_graft_over_specblock_is_lossless_on_spec_bench(smol_fp32, spec_bench_re
 def test_retrieval_only_is_lossless_on_spec_bench(smol_fp32, spec_bench_refs):
     drafter = build_graft_drafter(GraftConfig(stages=(0,), dense_budget=32), smol_fp32)
     assert drafter.drafter is None
-    assert assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs) >= 1.0
+    # Retrieval alone is also checked on all 64 tokens by test_bench_real; 32 here (suite time).
+    assert assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs, 32) >= 1.0

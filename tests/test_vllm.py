@@ -71,6 +71,13 @@ def test_export_writes_vllm_names_shapes_and_offsets(tmp_path):
     assert conf["max_position_embeddings"] == cfg["max_position_embeddings"]
 
 
+def test_vllm_peer_without_its_environment_fails_before_loading(tmp_path):
+    from speculation.bench.vllm_peers import require_environment
+
+    with pytest.raises(ConfigError, match="make vllm"):
+        require_environment(tmp_path / "no-venv" / "bin" / "python")
+
+
 def test_export_refuses_another_target(tmp_path):
     target, _, ckpt = _tiny_checkpoint(tmp_path)
     cfg = dict(target.model.config.to_dict(), vocab_size=target.vocab_size + 1)

@@ -43,6 +43,8 @@ def parse_peers(value: str | None) -> list[Peer]:
             out.append(Peer(name))
         except ValueError:
             raise ConfigError(f"--peers: unknown peer {name!r}; allowed: {', '.join(p.value for p in Peer)}") from None
+    if any(p.value in vllm_peers.PEER_METHODS for p in out):
+        vllm_peers.require_environment()
     return out
 
 

@@ -120,12 +120,17 @@ def acceptance_length(results: list[VllmResult]) -> float | None:
     return 1.0 + sum(r.accepted for r in results) / drafts if drafts else None
 
 
+def require_environment(python: Path = VLLM_PYTHON) -> None:
+    """Fail before any weights load when a vLLM peer is asked for without ``.venv-vllm``."""
+    if not python.is_file():
+        raise ConfigError(f"vLLM peers need the vLLM environment: run `make vllm` (no {python})")
+
+
 class VllmSession:
     """A running ``cluster.vllm_runner`` process serving one :class:`VllmSpec`."""
 
     def __init__(self, spec: VllmSpec, python: Path = VLLM_PYTHON) -> None:
-        if not python.is_file():
-            raise ConfigError(f"vLLM peers need the vLLM environment: run `make vllm` (no {python})")
+        require_environment(python)
         self.spec = spec
         self.results: list[VllmResult] = []
         self.proc = subprocess.Popen(
