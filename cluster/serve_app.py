@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.detokenize import IncrementalDecoder
 from cluster.openai_api import (
     APIError,
     ChatChoice,
@@ -590,6 +591,7 @@ class OpenAIService:
         state = "waiting"
         deadline = job.arrived + cfg.request_timeout_s
         p = _Progress()
+        decoder = IncrementalDecoder(self.tokenizer)  # O(new tokens) per step, not a full re-decode
         emitted = 0
         outcome = "error"
         last_t = None
@@ -614,7 +616,12 @@ class OpenAIService:
                     engine_done = True
                     p.finish = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop",
                                 FinishReason.ABORT: "abort"}[item.finished]
-                text = self._decode(p.ids, item.finished == FinishReason.STOP)
+                # A final EOS / stop token is not part of the text (OpenAI's convention).
+                new = item.new_tokens[:-1] if item.finished == FinishReason.STOP else item.new_tokens
+                decoder.push(list(new))
+                if item.finished is not None:
+                    decoder.flush()
+                text = decoder.text
                 cut = self._find_stop(text, job.stop_strings, max(0, emitted - hold))
                 if cut is not None:
                     text, p.finish = text[:cut], "stop"
@@ -691,12 +698,6 @@ class OpenAIService:
             m.acceptance.labels(self.method).observe(u.step.tokens_gained)
             m.accepted.labels(self.method).inc(u.step.accepted)
             m.drafted.labels(self.method).inc(u.step.drafted)
-
-    def _decode(self, ids: list[int], ended_on_stop_token: bool) -> str:
-        """Text of ``ids``; a final EOS / stop token is not part of the text (OpenAI's convention)."""
-        if ended_on_stop_token and ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @staticmethod
     def _find_stop(text: str, stops: list[str], start: int) -> int | None:

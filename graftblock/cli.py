@@ -169,8 +169,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             # With --ray the batched engine drives the deployment's shard actors: one call per
             # shard per step for all live sequences (cluster/batch_backend.py).
             batch_target = target if dep is None else _ray_batch_target(dep, target)
+            cbar = tqdm(desc="concurrency", unit="req", file=sys.stderr)
+
+            def cprogress(done: int, total: int, label: str) -> None:
+                cbar.total = total
+                cbar.set_postfix_str(label)
+                cbar.update(done - cbar.n)
+
             result["concurrency"] = run_concurrency(cfg, batch_target, questions, levels, method_configs,
-                                                    goodput=args.goodput)
+                                                    goodput=args.goodput, progress=cprogress)
+            cbar.close()
     if args.ray:
         result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
     result["device"] = device

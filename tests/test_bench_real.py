@@ -50,7 +50,7 @@ def test_retrieval_is_lossless_on_spec_bench_fp32(smol_fp32):
     assert result["methods"]["vanilla"]["speedup"] == pytest.approx(1.0)
 
 
-def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch):
+def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "b.json"
     rc = cli_main(["bench", "--methods", "retrieval", "--dataset", "mixed", "--limit-per-category", "1",
@@ -74,6 +74,10 @@ def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch):
             assert m["lossless"] is True  # fp32 greedy: every request equals its solo vanilla output
             assert m["ttft_p50_s"] <= m["ttft_p99_s"]
         assert level["methods"]["vanilla"]["speedup"] == pytest.approx(1.0)
+    # The concurrency phase shows its progress: every request of every N and method, counted once.
+    n_requests = 2 * 2 * res["n_prompts"]
+    err = capsys.readouterr().err
+    assert f"{n_requests}/{n_requests}" in err and "N=3 retrieval" in err
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -29,13 +29,12 @@ import psutil
 import pytest
 import requests
 import torch
-import yaml
 
 from speculation.config import EngineConfig, SamplingConfig
 from speculation.engine import generate_vanilla
-from tests.helpers import single_thread, tiny_llama
+from tests.helpers import single_thread
 from tests.ray_fixtures import RAY_TEST_ENV
-from tests.test_serve import API_KEY, MODEL_NAME, VOCAB, Server, free_port, prompt_ids, word_tokenizer, words
+from tests.test_serve import API_KEY, MODEL_NAME, Server, prompt_ids, words
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_PREFIX = "graftblock-drafter-worker-"
@@ -46,34 +45,22 @@ KILL_SEEDS = (11, 12, 13)
 LATER_SEED, HANG_SEED = 14, 15
 
 
+FAULT_SERVER = {
+    "max_tokens": 1000, "request_timeout_s": 120.0, "drain_timeout_s": 10.0,
+    "mlflow": False, "tracking_uri": None, "experiment": None, "metrics_interval_s": None,
+    "learner": {"enabled": False},
+}
+"""Serve-config overrides of the fault-test servers: long requests and timeouts, no MLflow, no learner."""
+
+
 class WorkerServer(Server):
     """``tests.test_serve.Server`` with the drafters in a worker actor (no MLflow, no learner)."""
 
-    def __init__(self, tmp: Path) -> None:  # noqa: D107 - same steps as Server, another config
-        self.tmp = tmp
-        self.model_dir = tmp / "model"
-        tiny_llama(vocab_size=VOCAB, max_position_embeddings=2048).save_pretrained(self.model_dir)
-        word_tokenizer().save_pretrained(self.model_dir)
-        self.port = free_port()
-        self.config = {
-            "model": str(self.model_dir), "served_model_name": MODEL_NAME, "dtype": "float32",
-            "method": "retrieval", "methods": {"retrieval": {"budget": 8, "cost_aware": False}},
-            "host": "127.0.0.1", "port": self.port, "api_key": API_KEY,
-            "max_prompt_tokens": 64, "max_tokens": 1000, "default_max_tokens": 16,
-            "max_sequences": 4, "request_timeout_s": 120.0, "drain_timeout_s": 10.0, "torch_threads": 1,
-            "replica_resources": {"CPU": 0}, "ray_num_cpus": 2, "mlflow": False, "learner": {"enabled": False},
-            "drafter_placement": "worker", "drafter_worker_cpus": 0.25, "drafter_worker_max_restarts": 5,
-            "drafter_call_timeout_s": CALL_TIMEOUT_S, "drafter_restart_timeout_s": 90.0,
-        }
-        self.config_path = tmp / "serve.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.config))
-        self.log_path = tmp / "server.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "graftblock", "serve", "--config", str(self.config_path)],
-            cwd=tmp, env={**os.environ, **RAY_TEST_ENV}, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        self.base = f"http://127.0.0.1:{self.port}"
+    OVERRIDES = {
+        **FAULT_SERVER,
+        "drafter_placement": "worker", "drafter_worker_cpus": 0.25, "drafter_worker_max_restarts": 5,
+        "drafter_call_timeout_s": CALL_TIMEOUT_S, "drafter_restart_timeout_s": 90.0,
+    }
 
     def gcs_address(self, timeout: float = 120.0) -> str:
         """The GCS address of the Ray instance this server started (from its raylet's arguments)."""

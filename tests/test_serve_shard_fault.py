@@ -29,12 +29,10 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-import yaml
 
-from tests.helpers import tiny_llama
 from tests.ray_fixtures import RAY_TEST_ENV
-from tests.test_serve import API_KEY, MODEL_NAME, VOCAB, free_port, prompt_ids, word_tokenizer, words
-from tests.test_serve_faults import ActorHelper, WorkerServer, _vanilla
+from tests.test_serve import API_KEY, MODEL_NAME, prompt_ids, words
+from tests.test_serve_faults import FAULT_SERVER, ActorHelper, WorkerServer, _vanilla
 
 REPO = Path(__file__).resolve().parent.parent
 SHARD_PREFIX = "graftblock-target-"
@@ -46,32 +44,10 @@ SOLO_SEED, LATER_SEED = 24, 25
 class ShardServer(WorkerServer):
     """``WorkerServer`` (its Ray's GCS address) with the target over two shard actors, drafters in process."""
 
-    def __init__(self, tmp: Path) -> None:  # noqa: D107 - same steps as WorkerServer, another config
-        self.tmp = tmp
-        self.model_dir = tmp / "model"
-        tiny_llama(vocab_size=VOCAB, max_position_embeddings=2048).save_pretrained(self.model_dir)
-        word_tokenizer().save_pretrained(self.model_dir)
-        self.port = free_port()
-        self.config = {
-            "model": str(self.model_dir), "served_model_name": MODEL_NAME, "dtype": "float32",
-            "method": "retrieval", "methods": {"retrieval": {"budget": 8, "cost_aware": False}},
-            "host": "127.0.0.1", "port": self.port, "api_key": API_KEY,
-            "max_prompt_tokens": 64, "max_tokens": 1000, "default_max_tokens": 16,
-            "max_sequences": 4, "request_timeout_s": 120.0, "drain_timeout_s": 10.0, "torch_threads": 1,
-            "replica_resources": {"CPU": 0}, "ray_num_cpus": 2, "mlflow": False,
-            "learner": {"enabled": False},
-            "target_shards": 2, "shard_cpus": 0.25, "shard_max_restarts": 3,
-            "shard_restart_timeout_s": 45.0,
-        }
-        self.config_path = tmp / "serve.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.config))
-        self.log_path = tmp / "server.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "graftblock", "serve", "--config", str(self.config_path)],
-            cwd=tmp, env={**os.environ, **RAY_TEST_ENV}, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        self.base = f"http://127.0.0.1:{self.port}"
+    OVERRIDES = {
+        **FAULT_SERVER,
+        "target_shards": 2, "shard_cpus": 0.25, "shard_max_restarts": 3, "shard_restart_timeout_s": 45.0,
+    }
 
 
 class ShardHelper(ActorHelper):

@@ -219,6 +219,7 @@ def run_concurrency(
     levels: list[int],
     method_configs: dict | None = None,
     goodput: bool = False,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> dict:
     """Closed-loop clients over :class:`~speculation.engine.BatchEngine`, per concurrency N and method.
 
@@ -230,7 +231,8 @@ def run_concurrency(
     verify step), ``speedup`` (÷ batched vanilla at the same N) and ``lossless`` (greedy: every
     request equals its solo vanilla output; else the match rate; None when sampling), plus the
     mean tree tokens granted per sequence step (the budget split). On CUDA, timestamps are taken
-    after ``torch.cuda.synchronize``.
+    after ``torch.cuda.synchronize``. ``progress(done, total, "N=<n> <method>")`` is called as each
+    request finishes.
     """
     from speculation.config import BatchConfig, SamplingConfig
     from speculation.engine import BatchEngine, Request
@@ -246,6 +248,7 @@ def run_concurrency(
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     slot_len = max(len(p) for p in prompts) + cfg.max_new_tokens + 1
     out: dict[str, Any] = {}
+    done, n_requests = 0, len(levels) * len(specs) * len(prompts)
     for n in levels:
         methods: dict[str, dict] = {}
         for spec in specs:
@@ -292,6 +295,9 @@ def run_concurrency(
                         steps.append(u.step)
                     if u.finished is not None:
                         req_rates.append(len(tokens[u.request_id]) / max(now - added[u.request_id], 1e-9))
+                        done += 1
+                        if progress is not None:
+                            progress(done, n_requests, f"N={n} {spec.name}")
                         if nxt < len(prompts):
                             send(now)
             wall = time.perf_counter() - t0
