@@ -46,24 +46,26 @@ class IncrementalDecoder:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _pending(self) -> str:
+        """``decode(ids[prefix:])[len(decode(ids[prefix:read])):]``: the characters after ``read``."""
+        window = self._decode(self.ids[self._prefix:])
+        return window[len(self._decode(self.ids[self._prefix:self._read])):]
+
+    def _release(self, new_text: str, prefix: int) -> str:
+        self.text += new_text
+        self._prefix, self._read = prefix, len(self.ids)
+        return new_text
+
     def push(self, new_ids: list[int]) -> str:
         """Append ``new_ids``; return the characters this push made final (possibly ``""``)."""
         self.ids.extend(new_ids)
-        window = self._decode(self.ids[self._prefix:])
-        seen = self._decode(self.ids[self._prefix:self._read])
-        new_text = window[len(seen):]
+        new_text = self._pending()
         if not new_text or new_text.endswith(REPLACEMENT_CHAR):
             return ""  # wait for the rest of a cut multi-byte character
-        self.text += new_text
-        self._prefix, self._read = self._read, len(self.ids)
-        return new_text
+        return self._release(new_text, self._read)
 
     def flush(self) -> str:
         """At the end of the sequence: release whatever is pending, replacement characters included."""
         if self._read == len(self.ids):
             return ""
-        window = self._decode(self.ids[self._prefix:])
-        new_text = window[len(self._decode(self.ids[self._prefix:self._read])):]
-        self.text += new_text
-        self._prefix = self._read = len(self.ids)
-        return new_text
+        return self._release(self._pending(), len(self.ids))
