@@ -5,7 +5,7 @@
 Runs the first ``--sequences`` Spec-Bench first turns together through
 :class:`~speculation.engine.BatchEngine` with ``--method`` and ``goodput: true`` (greedy,
 ``--max-new-tokens`` each). For every step in which all sequences are live it records the
-rule's prediction (``goodput_predicted_s``: c(B, N) + drafting seconds), the measured step
+rule's prediction (``goodput_predicted_s``: k * c(B, t, L) + drafting seconds), the measured step
 seconds, the target-forward seconds (a sequence's ``verify_s`` covers the shared forward plus
 its own acceptance and commit), the tree tokens N and the tokens gained. Then it runs the same
 prompts as batched vanilla. It prints the medians and the engine's measured grid c(B, .) and
@@ -13,8 +13,11 @@ writes them to ``--json`` when given.
 
 Why this exists: in the fp32 concurrency table of BENCHMARKS.md, retrieval under the goodput
 rule ran at 0.46× batched vanilla at N = 16. This script showed the rule predicting 0.24 s for
-a step that took 0.76 s: the grid is measured at a 64-token context, and the live rows attend
-over hundreds of positions.
+a step that took 0.76 s. The rule priced the real tree tokens at a 64-token context; the forward
+pads every row to the largest tree and attends over the longest row's context. The rule now
+prices c(B, t, L) (rows padded to t positions, longest context L) and rescales it by the
+measured / predicted forward seconds (``cost_correction``); ``predicted_forward_s`` against
+``forward_s`` shows how well it does.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def _run(target, factory, prompts: list[list[int]], max_new_tokens: int) -> tupl
                 "step_s": step_s,
                 "forward_s": min(r.verify_s for r in recs),
                 "predicted_s": recs[0].stats.get("goodput_predicted_s"),
+                "predicted_forward_s": recs[0].stats.get("goodput_predicted_forward_s"),
+                "cost_correction": recs[0].stats.get("goodput_cost_correction"),
+                "row_tokens": recs[0].stats.get("goodput_row_tokens"),
                 "tree_tokens": recs[0].stats.get("batch_tree_tokens"),
                 "gained": sum(r.tokens_gained for r in recs),
                 "drafting_s": sum(r.drafting_s for r in recs),
@@ -90,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "dtype": args.dtype, "method": args.method, "sequences": args.sequences,
         "max_new_tokens": args.max_new_tokens, "prompt_tokens": [len(p) for p in prompts],
         "speculative_median": _medians(spec_rows), "vanilla_median": _medians(van_rows),
-        "grid": {str(b): {str(n): s for n, s in row.items()} for b, row in cost.grid.items()} if cost else None,
+        "grid": ({str(L): {str(b): {str(t): s for t, s in row.items()} for b, row in by_b.items()}
+                  for L, by_b in cost.grid.items()} if cost else None),
     }
     print(json.dumps(out, indent=1))
     if args.json:

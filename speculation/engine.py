@@ -33,7 +33,7 @@ from speculation import verify as V
 from speculation.config import BatchConfig, EngineConfig, SamplingConfig
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome, propose_many
 from speculation.cost import RankAcceptance
-from speculation.goodput import BatchCostModel, measure_batch_cost, split_budget
+from speculation.goodput import DEFAULT_BATCH_CONTEXTS, BatchCostModel, CostCorrection, measure_batch_cost, split_budget
 from speculation.target import ContextLengthError, SlotState, TargetModel, TreeForward
 from speculation.tree import DraftTree, NodeSource
 
@@ -444,8 +444,9 @@ class BatchEngine:
         drafter_factory: builds one drafter per request (its own state); None = vanilla.
         config: slots, slot size and step budget.
         feedback: optional sink for every sequence's :class:`StepOutcome` (online adaptation).
-        cost_model: c(B, N) for the goodput rule (``config.goodput``); measured on ``target`` at
-            construction when None (:func:`speculation.goodput.measure_batch_cost`).
+        cost_model: c(B, t, L) for the goodput rule (``config.goodput``); measured on ``target`` at
+            construction when None (:func:`speculation.goodput.measure_batch_cost`), then rescaled
+            every step by :attr:`cost_correction` (measured / predicted forward seconds).
 
     With ``config.goodput`` the drafted trees are cut by :func:`speculation.goodput.split_budget`
     (each sequence's share may be zero drafts); :attr:`last_split` and every step record's
@@ -475,8 +476,12 @@ class BatchEngine:
         """Tree tokens (root included) each live sequence verified in the last step."""
         if config.goodput and drafter_factory is not None and cost_model is None:
             sizes = sorted({1, *(b for b in (2, 4, 8, 16, 32) if b < config.max_sequences), config.max_sequences})
-            cost_model = measure_batch_cost(target, sizes, context=min(64, config.max_tokens_per_sequence // 2))
+            room = config.max_tokens_per_sequence
+            contexts = [c for c in DEFAULT_BATCH_CONTEXTS if c <= room] or [max(1, room // 2)]
+            cost_model = measure_batch_cost(target, sizes, contexts=contexts)
         self.cost_model = cost_model
+        self.cost_correction = CostCorrection()
+        """Measured / predicted forward seconds (EMA) that rescales the goodput rule's c(B, t, L)."""
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
@@ -613,16 +618,24 @@ class BatchEngine:
                 self.cost_model,
                 budget=self.config.step_token_budget,
                 drafting_s=sum(p[2] for p in proposed),
+                contexts=[lv.state.length for lv in lives],
+                correction=self.cost_correction.factor,
             )
             trees = [t.pruned_to(n) for t, n in zip(trees, split.drafts)]
             caps = [n + 1 for n in split.drafts]
             split_stats = {"goodput_expected_tokens": split.expected_tokens,
-                           "goodput_predicted_s": split.predicted_s}
+                           "goodput_predicted_s": split.predicted_s,
+                           "goodput_predicted_forward_s": split.forward_s,
+                           "goodput_row_tokens": float(split.row_tokens),
+                           "goodput_cost_correction": self.cost_correction.factor}
         self.last_split = {lv.request.request_id: len(t) for lv, t in zip(lives, trees)}
         need_aux = any(lv.seq.needs_aux for lv in lives)
         tb = time.perf_counter()
         fwds = self.target.verify_batch([lv.state for lv in lives], trees, need_aux=need_aux)
         forward_s = time.perf_counter() - tb
+        if self._goodput:  # what the grid predicted (uncorrected) against what the forward took
+            self.cost_correction.observe(split_stats["goodput_predicted_forward_s"] / self.cost_correction.factor,
+                                         forward_s)
         stats = {"batch_size": float(len(lives)), "batch_tree_tokens": float(sum(len(t) for t in trees)),
                  **split_stats}
         updates = []

@@ -4,22 +4,27 @@ A step verifies B live sequences; sequence b verifies its root plus ``n_b`` draf
 best ``n_b`` by score, ancestor-closed: :meth:`~speculation.tree.DraftTree.pruned_to`). With
 ``q_b[r]`` the estimated probability that the r-th best draft node of sequence b is accepted
 (its acceptance-by-rank estimate, non-increasing in r), the expected tokens of the step are
-``sum_b (1 + sum_{r < n_b} q_b[r])`` (every sequence gains its bonus token), and the step costs
-``c(B, N)`` seconds with ``N = B + sum_b n_b`` tree tokens (measured: :class:`BatchCostModel`).
+``sum_b (1 + sum_{r < n_b} q_b[r])`` (every sequence gains its bonus token).
+
+What the step costs is decided by the batched forward's shape, not by the number of real tree
+tokens: :meth:`~speculation.target.TargetModel.verify_batch` pads every row to the largest tree,
+``t = 1 + max_b n_b`` query positions, over the longest row's KV, ``L = max_b len_b`` committed
+tokens. So the step costs ``c(B, t, L)`` seconds (measured: :class:`BatchCostModel`), and a
+split that gives one sequence 10 drafts and the others none pays for ``B * 11`` query rows.
 The rule picks::
 
-    maximise   G(n_1..n_B) = (B + sum_b sum_{r < n_b} q_b[r]) / (c(B, B + sum_b n_b) + d)
+    maximise   G(n_1..n_B) = (B + sum_b sum_{r < n_b} q_b[r]) / (k * c(B, 1 + max_b n_b, L) + d)
     subject to n_b <= cap_b (the drafted tree, slot room, max_tree_tokens - 1),
                B + sum_b n_b <= step_token_budget
 
-For a fixed total ``n = sum n_b`` the numerator is largest when the n draft slots go to the n
-largest ``q_b[r]`` over all sequences (each q_b is non-increasing, so taking them in global
-descending order respects every sequence's rank order). So the rule sorts all candidate ranks by
-q, and scans the totals n = 0..budget, keeping the n with the highest G. ``n_b = 0`` (a tree of
-one token: plain decoding for that sequence) happens whenever its q's do not pay for their cost,
-and n = 0 overall (batched vanilla) is always a candidate, so speculation is never chosen at a
-predicted loss. ``d`` is the step's drafting seconds (spent before the split; it shifts nothing
-but the comparison with n = 0 is made on the whole step time).
+where ``k`` is the online correction (:class:`CostCorrection`: the EMA of measured over predicted
+forward seconds) and ``d`` the step's drafting seconds. For a fixed row size t every sequence may
+take up to ``t - 1`` drafts at no extra forward cost (the padding is paid either way), and within
+a token budget the slots go to the largest ``q_b[r]`` with ``r < t - 1`` (each q_b is
+non-increasing, so global descending order respects every sequence's rank order). The rule scans
+t = 1 .. 1 + max cap and keeps the best G. ``n_b = 0`` (a tree of one token: plain decoding for
+that sequence) happens whenever its q's do not pay, and t = 1 (batched vanilla) is always a
+candidate, so speculation is never chosen at a predicted loss.
 
 Acceptance by rank is the one estimator Graft uses too (:class:`~speculation.cost.RankAcceptance`:
 a discounted Beta posterior per best-first rank; ranks the tree did not contain are not updated).
@@ -27,6 +32,7 @@ a discounted Beta posterior per best-first rank; ranks the tree did not contain 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -37,38 +43,84 @@ import torch
 from speculation.cost import interp
 from speculation.tree import DraftTree
 
+DEFAULT_BATCH_CONTEXTS = (64, 512)
+"""Committed-context lengths c(B, t, L) is measured at (those that fit the slots)."""
+DEFAULT_ROW_TOKENS = (1, 4, 16)
+"""Query positions per row (tree size of the largest tree) c(B, t, L) is measured at."""
+
+
 @dataclass(frozen=True)
 class BatchCostModel:
-    """c(B, N): seconds of one batched verify of B sequences with N tree tokens in total.
+    """c(B, t, L): seconds of one batched verify of B rows padded to t query positions each over a
+    longest committed context of L tokens.
 
-    ``grid[B][N]`` measured at a few batch sizes and totals; linear in N per measured B (last
-    slope beyond the largest N), linear in B between measured batch sizes (flat beyond the ends).
+    ``grid[L][B][t]`` is measured at a few contexts, batch sizes and row sizes. The interpolation
+    is linear in t per measured (L, B) (last slope beyond the largest t), linear in B between
+    measured batch sizes (flat beyond the ends), and linear in L between measured contexts (last
+    non-negative slope beyond the longest: attention grows with the context).
     """
 
-    grid: Mapping[int, Mapping[int, float]]
+    grid: Mapping[int, Mapping[int, Mapping[int, float]]]
 
     def __post_init__(self) -> None:
-        if not self.grid or any(not row for row in self.grid.values()):
-            raise ValueError("BatchCostModel needs at least one batch size with at least one total")
-        if any(s <= 0 for row in self.grid.values() for s in row.values()):
+        if not self.grid or any(not by_b or any(not row for row in by_b.values()) for by_b in self.grid.values()):
+            raise ValueError("BatchCostModel needs at least one context, batch size and row size")
+        if any(s <= 0 for by_b in self.grid.values() for row in by_b.values() for s in row.values()):
             raise ValueError("BatchCostModel seconds must be positive")
+        if any(k < 1 for k in itertools.chain(self.grid, *(by_b for by_b in self.grid.values()),
+                                              *(row for by_b in self.grid.values() for row in by_b.values()))):
+            raise ValueError("BatchCostModel contexts, batch sizes and row sizes must be >= 1")
 
-    def cost(self, batch: int, total_tokens: int) -> float:
-        bs = sorted(self.grid)
-        per_b = []
-        for b in bs:
-            ns = sorted(self.grid[b])
-            per_b.append(interp(ns, [self.grid[b][n] for n in ns], total_tokens, extrapolate=True))
-        return interp(bs, per_b, batch, extrapolate=False)
+    def cost(self, batch: int, row_tokens: int, context: int) -> float:
+        """c(batch, row_tokens, context) in seconds (class docstring)."""
+        ls = sorted(self.grid)
+        per_l = []
+        for L in ls:
+            by_b = self.grid[L]
+            bs = sorted(by_b)
+            per_b = [interp(sorted(by_b[b]), [by_b[b][t] for t in sorted(by_b[b])], row_tokens, extrapolate=True)
+                     for b in bs]
+            per_l.append(interp(bs, per_b, batch, extrapolate=False))
+        return interp(ls, per_l, context, extrapolate=True)
+
+
+class CostCorrection:
+    """``k``: EMA of measured / predicted forward seconds, clipped to [1/4, 4].
+
+    The grid is measured once, on an idle model, with random tokens; live steps add host work
+    (masks, scatter, compaction) and share the machine (a learner, other processes). ``k``
+    rescales every prediction by what the last ~1/(1-decay) steps actually cost, so the rule
+    prices speculation at today's prices. Starts at 1 (trust the grid)."""
+
+    LOW, HIGH = 0.25, 4.0
+
+    def __init__(self, decay: float = 0.9) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"CostCorrection decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.factor = 1.0
+        self.observed = 0
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s <= 0 or measured_s <= 0:
+            return
+        ratio = min(self.HIGH, max(self.LOW, measured_s / predicted_s))
+        self.factor = ratio if self.observed == 0 else self.decay * self.factor + (1 - self.decay) * ratio
+        self.observed += 1
 
 
 @dataclass(frozen=True)
 class Split:
-    """The rule's choice for one step: draft nodes per sequence and what it expected."""
+    """The rule's choice for one step: draft nodes per sequence and what it expected.
+
+    ``forward_s`` is the corrected forward prediction ``k * c(B, t, L)``; ``predicted_s`` adds
+    the drafting seconds."""
 
     drafts: list[int]
     expected_tokens: float
     predicted_s: float
+    forward_s: float
+    row_tokens: int
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,69 +133,92 @@ def split_budget(
     cost: BatchCostModel,
     budget: int | None = None,
     drafting_s: float = 0.0,
+    contexts: Sequence[int] | None = None,
+    correction: float = 1.0,
 ) -> Split:
     """Draft nodes per sequence maximising G (module docstring). ``estimates[b]``: q_b, non-increasing;
-    ``caps[b]``: most draft nodes sequence b can verify; ``budget``: most tree tokens in total."""
+    ``caps[b]``: most draft nodes sequence b can verify; ``budget``: most tree tokens in total;
+    ``contexts[b]``: sequence b's committed KV length (0 when None); ``correction``: ``k``."""
     B = len(estimates)
-    if B == 0 or len(caps) != B:
-        raise ValueError("split_budget needs one estimate and one cap per sequence, at least one")
-    cands = sorted(((q, b) for b in range(B) for q in list(estimates[b])[: max(caps[b], 0)]), key=lambda x: -x[0])
-    limit = len(cands) if budget is None else max(0, min(len(cands), budget - B))
-    best_n, best_g, best_a, best_c = 0, 0.0, float(B), 0.0
-    acc = float(B)
-    for n in range(limit + 1):
-        if n > 0:
-            acc += cands[n - 1][0]
-        c = cost.cost(B, B + n) + drafting_s
-        g = acc / c
-        if n == 0 or g > best_g:
-            best_n, best_g, best_a, best_c = n, g, acc, c
-    drafts = [0] * B
-    for _, b in cands[:best_n]:
-        drafts[b] += 1
-    return Split(drafts=drafts, expected_tokens=best_a, predicted_s=best_c)
+    if B == 0 or len(caps) != B or (contexts is not None and len(contexts) != B):
+        raise ValueError("split_budget needs one estimate, one cap (and one context) per sequence, at least one")
+    if correction <= 0:
+        raise ValueError(f"split_budget correction must be positive, got {correction}")
+    qs = [list(estimates[b])[: max(caps[b], 0)] for b in range(B)]
+    L = max(contexts) if contexts is not None else 0
+    # prefix[b][n] = sum of sequence b's n best q's
+    prefix = [list(itertools.accumulate(q, initial=0.0)) for q in qs]
+    ranked = sorted(((q, r, b) for b, qb in enumerate(qs) for r, q in enumerate(qb)), key=lambda x: -x[0])
+    room = None if budget is None else max(0, budget - B)
+    best: Split | None = None
+    for t in range(1, 2 + max(len(q) for q in qs)):
+        if room is None or sum(min(len(q), t - 1) for q in qs) <= room:
+            drafts = [min(len(q), t - 1) for q in qs]
+            acc = B + sum(p[n] for p, n in zip(prefix, drafts))
+        else:  # the budget binds: the largest q's among ranks < t - 1
+            drafts, acc, taken = [0] * B, float(B), 0
+            for q, r, b in ranked:
+                if taken == room:
+                    break
+                if r < t - 1:
+                    drafts[b] += 1
+                    acc += q
+                    taken += 1
+        rows = 1 + max(drafts)
+        fwd = correction * cost.cost(B, rows, L)
+        cand = Split(drafts, acc, fwd + drafting_s, fwd, rows)
+        if best is None or cand.tokens_per_s > best.tokens_per_s:
+            best = cand
+    assert best is not None
+    return best
 
 
 @torch.inference_mode()
 def measure_batch_cost(
     target,
     batch_sizes: Sequence[int],
-    totals_per_seq: Sequence[int] = (1, 4, 16),
-    context: int = 64,
+    row_tokens: Sequence[int] = DEFAULT_ROW_TOKENS,
+    contexts: Sequence[int] = DEFAULT_BATCH_CONTEXTS,
     repeats: int = 3,
 ) -> BatchCostModel:
-    """Time :meth:`TargetModel.verify_batch` at each batch size B and per-sequence tree size t
-    (N = B * t) over ``context`` committed tokens; median of ``repeats`` (after one warm-up).
+    """Time :meth:`TargetModel.verify_batch` at each context L, batch size B and row size t (every
+    row a t-token tree over L committed tokens); median of ``repeats`` (after one warm-up).
     On CUDA every timed call is bracketed by ``torch.cuda.synchronize``."""
     from speculation.tree import NodeSource
 
-    bmax = max(batch_sizes)
-    pool = target.new_slot_pool(bmax, context + max(totals_per_seq) + 1)
+    if not contexts or not batch_sizes or not row_tokens:
+        raise ValueError("measure_batch_cost needs at least one context, batch size and row size")
+    bmax, lmax, tmax = max(batch_sizes), max(contexts), max(row_tokens)
+    pool = target.new_slot_pool(bmax, lmax + tmax + 1)
     gen = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    grid: dict[int, dict[int, dict[int, float]]] = {}
     states = []
     try:
         for _ in range(bmax):
-            ids = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
+            ids = torch.randint(0, target.vocab_size, (lmax,), generator=gen).tolist()
             states.append(target.prefill_slot(pool, ids)[0])
-        sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-        grid: dict[int, dict[int, float]] = {}
-        for B in batch_sizes:
-            grid[B] = {}
-            for t in totals_per_seq:
-                tree = DraftTree(1)
-                tree.add_chain(0, [2 + i % 7 for i in range(t - 1)], [-1.0 - i for i in range(t - 1)],
-                               NodeSource.DRAFTER)
-                times = []
-                for rep in range(repeats + 1):
-                    sync()
-                    t0 = time.perf_counter()
-                    target.verify_batch(states[:B], [tree] * B)
-                    sync()
-                    if rep:
-                        times.append(time.perf_counter() - t0)
-                    for st in states[:B]:
-                        st.length = context  # drop the provisional tree rows
-                grid[B][B * t] = statistics.median(times)
+        for L in sorted(contexts):
+            grid[L] = {}
+            for st in states:
+                st.length = L  # the first L rows of the prefilled prompt
+            for B in batch_sizes:
+                grid[L][B] = {}
+                for t in row_tokens:
+                    tree = DraftTree(1)
+                    tree.add_chain(0, [2 + i % 7 for i in range(t - 1)], [-1.0 - i for i in range(t - 1)],
+                                   NodeSource.DRAFTER)
+                    times = []
+                    for rep in range(repeats + 1):
+                        sync()
+                        t0 = time.perf_counter()
+                        target.verify_batch(states[:B], [tree] * B)
+                        sync()
+                        if rep:
+                            times.append(time.perf_counter() - t0)
+                        for st in states[:B]:
+                            st.length = L  # drop the provisional tree rows
+                    grid[L][B][t] = statistics.median(times)
         return BatchCostModel(grid)
     finally:
         for st in states:

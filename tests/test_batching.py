@@ -375,15 +375,55 @@ def test_kv_memory_is_bounded_by_the_config():
 def test_split_budget_gives_drafts_where_they_pay():
     from speculation.goodput import BatchCostModel, split_budget
 
-    cheap = BatchCostModel({1: {1: 1.0, 100: 2.0}, 4: {4: 1.0, 100: 2.0}})  # ~0.01 s per token
+    # ~0.01 s per padded query position, whatever the batch size
+    cheap = BatchCostModel({64: {1: {1: 1.0, 100: 2.0}, 4: {1: 1.0, 100: 2.0}}})
     good, bad = [0.9, 0.8, 0.7, 0.6, 0.5], [0.02, 0.01, 0.01]
     s = split_budget([good, bad], [5, 3], cheap)
-    assert s.drafts == [5, 0], s  # the poor drafter's tokens cost more than they add
-    assert s.expected_tokens == pytest.approx(2 + sum(good))
+    # the rows are padded to the largest tree: the poor drafter's 3 nodes ride in padding paid anyway
+    assert s.drafts == [5, 3] and s.row_tokens == 6, s
+    assert s.expected_tokens == pytest.approx(2 + sum(good) + sum(bad))
+    assert s.forward_s == pytest.approx(cheap.cost(2, 6, 0))
     s = split_budget([good, bad], [5, 3], cheap, budget=5)
-    assert s.drafts == [3, 0]  # 2 roots + 3 drafts = the step budget
-    dear = BatchCostModel({2: {2: 1.0, 3: 3.0}})  # a draft token triples the step
+    assert s.drafts == [3, 0] and s.row_tokens == 4  # 2 roots + 3 drafts = the step budget, best q's first
+    dear = BatchCostModel({64: {2: {1: 1.0, 2: 3.0}}})  # a draft position triples the step
     assert split_budget([good, bad], [5, 3], dear).drafts == [0, 0]  # batched vanilla
+
+
+def test_split_budget_prices_the_padded_rows_not_the_real_tokens():
+    """c(B, t, L) is paid for B rows of t positions: one sequence's deep tree makes every row deep."""
+    from speculation.goodput import BatchCostModel, split_budget
+
+    linear = BatchCostModel({64: {4: {1: 0.4, 16: 6.4}}})  # 0.1 s per padded position at B = 4
+    one_good = [[0.5] * 8, [], [], []]
+    s = split_budget(one_good, [8, 0, 0, 0], linear)
+    # 8 drafts add 4 expected tokens (8 -> 2x) but cost 36 padded positions instead of 4 (9x)
+    assert s.drafts == [0, 0, 0, 0] and s.row_tokens == 1
+    flat = BatchCostModel({64: {4: {1: 0.4, 16: 0.5}}})
+    assert split_budget(one_good, [8, 0, 0, 0], flat).drafts == [8, 0, 0, 0]
+
+
+def test_split_budget_prices_the_context_and_the_correction():
+    from speculation.goodput import BatchCostModel, CostCorrection, split_budget
+
+    # drafts are nearly free over 64 committed tokens, 16x dearer over 512 (attention over the context)
+    cost = BatchCostModel({64: {1: {1: 1.0, 16: 1.15}}, 512: {1: {1: 1.0, 16: 16.0}}})
+    q = [[0.6, 0.5, 0.4, 0.3]]
+    assert split_budget(q, [4], cost, contexts=[64]).drafts == [4]
+    assert split_budget(q, [4], cost, contexts=[500]).drafts == [0]
+    assert cost.cost(1, 16, 1000) > cost.cost(1, 16, 512)  # linear beyond the longest context
+    # the correction scales the forward; drafting seconds do not scale, so a dearer forward
+    # makes the fixed drafting cost matter less
+    assert split_budget(q, [4], cost, contexts=[64], correction=2.0).forward_s == pytest.approx(2 * cost.cost(1, 5, 64))
+    k = CostCorrection(decay=0.5)
+    assert k.factor == 1.0
+    k.observe(1.0, 2.0)
+    assert k.factor == 2.0  # the first observation replaces the prior
+    k.observe(1.0, 100.0)
+    assert k.factor == pytest.approx(0.5 * 2.0 + 0.5 * CostCorrection.HIGH)  # clipped at 4
+    with pytest.raises(ValueError, match="decay must be in"):
+        CostCorrection(decay=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        BatchCostModel({64: {1: {1: 0.0}}})
 
 
 @pytest.mark.parametrize("kind", ["cheap", "dear"])
@@ -392,8 +432,8 @@ def test_goodput_engine_is_exact_and_reports_the_split(kind):
 
     model = _model()
     target = tiny_target(model)
-    cost = (BatchCostModel({1: {1: 1.0, 64: 1.5}, 4: {4: 1.0, 64: 1.5}}) if kind == "cheap"
-            else BatchCostModel({1: {1: 1.0, 2: 5.0}, 4: {4: 1.0, 5: 5.0}}))
+    cost = (BatchCostModel({8: {1: {1: 1.0, 64: 1.5}, 4: {1: 1.0, 64: 1.5}}}) if kind == "cheap"
+            else BatchCostModel({8: {1: {1: 1.0, 2: 5.0}, 4: {1: 1.0, 2: 5.0}}}))
     cfg = BatchConfig(max_sequences=4, max_tokens_per_sequence=64, goodput=True, step_token_budget=24)
     engine = BatchEngine(target, _factory("oracle", target), cfg, cost_model=cost)
     reqs = [Request(f"r{i}", p, n, GREEDY, stop_at_eos=False) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
@@ -404,6 +444,10 @@ def test_goodput_engine_is_exact_and_reports_the_split(kind):
     steps = [u.step for ups in updates.values() for u in ups if u.step is not None]
     assert all(s.stats["batch_tree_tokens"] <= 24 and s.tree_size == s.stats["tree_budget"] for s in steps)
     assert all("goodput_expected_tokens" in s.stats for s in steps)
+    assert all(s.tree_size <= s.stats["goodput_row_tokens"] for s in steps)  # rows padded to the largest tree
+    # the grid says ~1 s a step; the tiny model takes milliseconds: the correction learns it (clipped)
+    assert engine.cost_correction.observed > 0
+    assert engine.cost_correction.factor == pytest.approx(0.25)
     if kind == "dear":
         assert all(s.tree_size == 1 for s in steps)  # speculation turned off: it never pays
     else:
@@ -414,9 +458,11 @@ def test_measure_batch_cost_on_the_target():
     from speculation.goodput import measure_batch_cost
 
     target = tiny_target(_model())
-    cost = measure_batch_cost(target, [1, 2], totals_per_seq=(1, 4), context=8, repeats=1)
-    assert set(cost.grid) == {1, 2} and set(cost.grid[2]) == {2, 8}
-    assert cost.cost(2, 4) > 0 and cost.cost(3, 100) > 0
+    cost = measure_batch_cost(target, [1, 2], row_tokens=(1, 4), contexts=(8, 16), repeats=1)
+    assert set(cost.grid) == {8, 16} and set(cost.grid[8]) == {1, 2} and set(cost.grid[16][2]) == {1, 4}
+    assert cost.cost(2, 4, 8) > 0 and cost.cost(3, 100, 1000) > 0
+    with pytest.raises(ValueError, match="at least one context"):
+        measure_batch_cost(target, [1], contexts=())
 
 
 # ---------------------------------------------------------------------------- real weights
