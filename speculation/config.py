@@ -261,6 +261,13 @@ class GraftConfig:
     """Retrieval candidates proposed per step (before grafting dedups them). Range [1, 512]."""
     transition_topk: int = 4
     """Retrieval: successors kept per token in the adjacency table (0 = off). Range [0, 16]."""
+    cost_cut: bool = True
+    """Cut every verified tree (retrieval-only, or drafter + grafts) to its cost-optimal best-first
+    prefix: with p_i each node's calibrated probability of being accepted (drafter nodes: the
+    acceptance of their score rank; retrieved nodes: their calibrated path probability), keep the n
+    best nodes maximising ``(1 + sum_{i<=n} p_i) / (c(n + 1, L) + d)`` on the measured c(T, L).
+    Grafts that cost more verify time than they add accepted tokens are not verified, so Graft is
+    never priced above its sources. Needs c(T): it is measured whenever this is true."""
 
     AUTO_MAX = 128
     """Largest K_max the automatic choice considers."""
@@ -293,6 +300,8 @@ class GraftConfig:
         _check_int(o, "min_match_len", self.min_match_len, 1, self.max_match_len)
         _check_int(o, "retrieval_budget", self.retrieval_budget, 1, 512)
         _check_int(o, "transition_topk", self.transition_topk, 0, 16)
+        if not isinstance(self.cost_cut, bool):
+            raise ConfigError(f"{o}.cost_cut must be true or false, got {self.cost_cut!r}")
         budgets = tuple(self.stage_budgets or ())
         if budgets:
             if len(budgets) != len(self.stages):
@@ -353,10 +362,11 @@ class GraftConfig:
     def verify_curve_size(self) -> int:
         """Largest tree size T (root included) whose verify cost c(T) Graft needs: ``AUTO_MAX``
         when ``dense_budget`` is 0 (K_max chosen from c(T)); ``dense_budget`` when the drafter gate
-        runs (0 is a stage and a drafter exists: it prices nodes by c(T)); else 0."""
+        runs (0 is a stage and a drafter exists: it prices nodes by c(T)) or ``cost_cut`` is on;
+        else 0."""
         if self.dense_budget == self.AUTO:
             return self.AUTO_MAX
-        return self.dense_budget if self.gated else 0
+        return self.dense_budget if (self.gated or self.cost_cut) else 0
 
     @property
     def gated(self) -> bool:

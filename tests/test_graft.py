@@ -300,7 +300,8 @@ def test_a_missing_cost_model_is_measured_by_the_builder_or_a_clear_error():
     cfg = GraftConfig(**TINY, dense_budget=0)
     assert cfg.verify_curve_size() == GraftConfig.AUTO_MAX
     assert GraftConfig(**TINY).verify_curve_size() == 48  # the gate prices nodes by c(T) up to K_max
-    assert GraftConfig(**TINY, stages=(1, 5)).verify_curve_size() == 0  # no stage 0: no gate, fixed K_max
+    assert GraftConfig(**TINY, stages=(1, 5)).verify_curve_size() == 48  # no gate, but the cost cut prices nodes
+    assert GraftConfig(**TINY, stages=(1, 5), cost_cut=False).verify_curve_size() == 0  # fixed K_max, no pricing
     built = build_graft_drafter(cfg, _target(), None)  # measures c(T, L) on the target itself
     assert built.cost_model is not None and built.cost_model.contexts and built.cost_model.sizes[-1] == 128
     retrieval = RetrievalDrafter(cfg.retrieval(), VOCAB)
@@ -319,8 +320,10 @@ def test_the_cost_model_reaches_graft_and_its_retrieval_source_only_when_needed(
     assert auto.retrieval.cost_model is None  # its own cost cut stays off: the hybrid tree is sized by Graft
     gated = build_graft_drafter(GraftConfig(**TINY, dense_budget=20), target, curve)
     assert gated.cost_model is curve and gated.dense_budget() == 20
-    fixed = build_graft_drafter(GraftConfig(**TINY, stages=(1, 5), dense_budget=20), target, curve)
+    fixed = build_graft_drafter(GraftConfig(**TINY, stages=(1, 5), dense_budget=20, cost_cut=False), target, curve)
     assert fixed.cost_model is None and fixed.dense_budget() == 20
+    cut = build_graft_drafter(GraftConfig(**TINY, stages=(1, 5), dense_budget=20), target, curve)
+    assert cut.cost_model is curve and cut.dense_budget() == 20
 
 
 @pytest.mark.parametrize("tree, cls", [(EAGLE3, Eagle3Drafter), (SPECBLOCK, SpecBlockDrafter)])
@@ -361,6 +364,7 @@ def test_nested_config_defaults_round_trip_and_registry():
         ({"stage_budgets": [0, 3]}, "one entry per stage"),
         ({"stage_budgets": [2, 3, 4]}, "stage 0 must keep 0 nodes"),
         ({"min_match_len": 5, "max_match_len": 3}, "graft.min_match_len"),
+        ({"cost_cut": "yes"}, "graft.cost_cut must be true or false, got 'yes'"),
         ({"bogus": 1}, "unknown key(s) ['bogus']"),
         ({"top_k": 4}, "unknown key(s) ['top_k']"),  # the tree drafter's knobs live in tree_drafter
         ({"tree_drafter": {"type": "retrieval"}}, "graft.tree_drafter.type must be one of ['eagle3', 'specblock']"),
@@ -546,3 +550,74 @@ def test_staged_oracle_alone_accepts_its_whole_chain():
             res = generate_speculative(target, StagedOracle(refs, shift), prompt, GREEDY)
             assert res.tokens == refs[tuple(prompt)]
             assert all(s.accepted == accepted for s in res.steps[:-1]), [s.accepted for s in res.steps]
+
+
+# ---------------------------------------------------------------------- the cost cut
+def _graft_with_curve(curve: VerifyCostModel, **kw) -> GraftDrafter:
+    cfg = GraftConfig(**TINY, **kw)
+    return GraftDrafter(cfg, build_graft_drafter(GraftConfig(**TINY), _target(), curve).drafter,
+                        RetrievalDrafter(cfg.retrieval(), VOCAB), curve)
+
+
+def test_cost_cut_keeps_the_best_first_prefix_that_pays_and_stays_ancestor_closed():
+    """Root 9 with a drafter chain 1 -> 2 (p 0.9, 0.8) and grafts 3 (p 0.5) under the root and
+    4 -> 5 (p 0.2, then 0.6 claimed, capped at its parent's 0.2) under drafter node 1."""
+    tree = _tree(9, [[1, 2]], NodeSource.DRAFTER)
+    g3 = tree.add(ROOT, 3, math.log(0.5), NodeSource.RETRIEVAL)
+    g4 = tree.add(1, 4, math.log(0.2), NodeSource.RETRIEVAL)
+    g5 = tree.add(g4, 5, math.log(0.6), NodeSource.RETRIEVAL)
+    probs = [1.0, 0.9, 0.8, 0.5, 0.2, 0.6]
+    # flat c(T): every node is free, nothing is cut
+    flat = _graft_with_curve(VerifyCostModel((1, 64), (1.0, 1.0)))
+    assert flat._cost_cut(tree, probs, 0.0, 10) == (tree, None)
+    # each node costs 0.25 of a root verify: rate (1 + sum p) / (1 + 0.25 n) is 1.52, 1.80, 1.83, 1.70
+    # for n = 1..4, so the best prefix is 0.9, 0.8, 0.5 (two drafter nodes and the root graft)
+    mid = _graft_with_curve(VerifyCostModel((1, 64), (1.0, 1.0 + 0.25 * 63)))
+    cut, remap = mid._cost_cut(tree, probs, 0.0, 10)
+    assert remap is not None and set(remap) == {ROOT, 1, 2, g3}
+    assert sorted(cut.path_tokens(i)[-1] for i in range(1, len(cut))) == [1, 2, 3]
+    assert g5 not in remap  # its own claim (0.6) is capped by its parent 4 (0.2): never kept without it
+    # each node costs as much as the root: even 0.9 does not pay (1.9 / 2 < 1 / 1)
+    dear = _graft_with_curve(VerifyCostModel((1, 64), (1.0, 64.0)))
+    cut, remap = dear._cost_cut(tree, probs, 0.0, 10)
+    assert len(cut) == 1 and remap == {ROOT: ROOT}
+    # drafting seconds already spent make each verify second relatively cheaper: more is kept
+    cut_d, _ = dear._cost_cut(tree, probs, 5.0, 10)
+    assert len(cut_d) > 1
+    off = _graft_with_curve(VerifyCostModel((1, 64), (1.0, 64.0)), cost_cut=False)
+    assert off._cost_cut(tree, probs, 0.0, 10) == (tree, None)
+
+
+@pytest.mark.parametrize("tree_drafter", [EAGLE3, SPECBLOCK])
+def test_cost_cut_trees_stay_lossless_and_shrink_when_nodes_are_dear(tree_drafter):
+    """Graft over both tree drafters with a verify curve where a node costs as much as the root:
+    the verified trees shrink (every proposal reports what it cut) and greedy equals vanilla; on a
+    flat curve nothing is cut."""
+    target = _target()
+    refs = _refs(target)
+    stages = [0, 2, 4]
+    sizes = {}
+    for name, curve in (("flat", VerifyCostModel((1, 64), (1.0, 1.0))), ("dear", VerifyCostModel((1, 64), (1.0, 64.0)))):
+        cfg = GraftConfig(tree_drafter=tree_drafter, stages=stages, dense_budget=16, gate_warmup=1000)
+        d = RecordingDrafter(build_graft_drafter(cfg, target, curve))
+        assert d.inner.cost_model is curve
+        assert_lossless_on_refs(target, d, refs, max_new_tokens=24)
+        sizes[name] = sum(len(p.tree) for p in d.proposals) / len(d.proposals)
+        cut = [p.stats["cost_cut"] for p in d.proposals]
+        if name == "flat":
+            assert all(c == 0 for c in cut)
+        else:
+            assert sum(cut) > 0 and all(c >= 0 for c in cut)
+    assert sizes["dear"] < sizes["flat"], sizes
+
+
+def test_cost_cut_makes_retrieval_only_graft_step_aside_when_nodes_are_dear():
+    """Stage 0 alone (no tree drafter): the retrieval-only tree gets the same cut; at a node as dear
+    as the root no retrieved node pays, so every step verifies the root alone (plain decoding)."""
+    target = _target()
+    refs = _refs(target)
+    cfg = GraftConfig(stages=(0,), dense_budget=16)
+    assert cfg.verify_curve_size() == 16
+    d = RecordingDrafter(build_graft_drafter(cfg, target, VerifyCostModel((1, 64), (1.0, 64.0))))
+    assert assert_lossless_on_refs(target, d, refs, max_new_tokens=24) == 1.0
+    assert all(len(p.tree) == 1 for p in d.proposals) and sum(p.stats["cost_cut"] for p in d.proposals) > 0

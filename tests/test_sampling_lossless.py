@@ -243,9 +243,11 @@ def _graft_drafter(target):
 
 def _graft_specblock_drafter(target):
     """Graft over a random SpecBlock head (K = 2, rank head on, give-up stops chains): stage 0, one
-    block, two blocks, with free slots to graft into."""
+    block, two blocks, with free slots to graft into. The cost cut is off here (the EAGLE-3 loops
+    run with it): on this curve it removes every anchored graft under the random head's nodes, and
+    this loop is the one that samples through anchored grafts over SpecBlock."""
     cfg = GraftConfig(tree_drafter=GRAFT_SPECBLOCK, stages=(0, 2, 4), threshold=1.0, dense_budget=10,
-                      graft_budget=4, stage_budgets=(0, 4, 7), gate_warmup=2)
+                      graft_budget=4, stage_budgets=(0, 4, 7), gate_warmup=2, cost_cut=False)
     return build_graft_drafter(cfg, target, GRAFT_CURVE)
 
 
@@ -258,9 +260,9 @@ def _graft_auto_drafter(target):
 
 
 def _graft_specblock_auto_drafter(target):
-    """Graft over a random SpecBlock head with ``dense_budget: 0``."""
+    """Graft over a random SpecBlock head with ``dense_budget: 0`` (cost cut off, as above)."""
     cfg = GraftConfig(tree_drafter=GRAFT_SPECBLOCK, stages=(0, 2, 4), threshold=1.0, dense_budget=0, graft_budget=4,
-                      gate_warmup=2)
+                      gate_warmup=2, cost_cut=False)
     return build_graft_drafter(cfg, target, GRAFT_CURVE)
 
 
@@ -315,6 +317,8 @@ def test_graft_settings_mix_every_stage_and_graft(name):
     assert all(n >= 2 for n in counts.values()), counts
     assert any(p.stats["grafted"] > 0 for p in drafter.proposals)
     assert drafter.inner.counters["grafted_anchored"] > 0  # under drafter nodes, not only at the root
+    if drafter.inner.config.cost_cut:  # the cost cut removed nodes in some steps (and sampling stayed exact)
+        assert any(p.stats["cost_cut"] > 0 for p in drafter.proposals)
     if drafter.inner.config.dense_budget == 0:
         assert len({p.stats["k_max"] for p in drafter.proposals}) > 1
 

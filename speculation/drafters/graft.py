@@ -33,6 +33,13 @@ and stages s_1 < ... < s_m:
    v is accepted. Every candidate's score is then a calibrated log path probability from the root,
    and all sources are attached together best-first (:func:`graft_anchored`): a candidate equal to
    an existing child is merged into it, any other takes a free slot. |T_g| <= K_max always.
+   **Cut by cost** (``cost_cut``, on by default): T_g, and the retrieval-only tree R of stage 0,
+   are cut to the best-first prefix maximising ``(1 + sum_{i<=n} p_i) / (c(n + 1, L) + d)`` with
+   p_i each node's calibrated acceptance (drafter nodes: a_rank of their score rank; retrieved
+   nodes: their calibrated path probability; never above the parent's) and d the step's measured
+   retrieval + drafting + assembly seconds. A graft is verified only when what it adds to the
+   expected accepted length pays for what it adds to the verify time; the retrieval-only tree
+   gets the rule of the cost-aware retrieval method, so Graft is priced like its best source.
 5. **Verify** T_g in one target pass (greedy or lossless sampling, unchanged: every candidate is
    fixed before the uniforms are drawn), then both sources observe the result, and Graft updates
    the rank posterior, the gate's gain estimate, and the acceptance attribution by anchor.
@@ -285,6 +292,8 @@ class _Plan:
     confidence: list[float]  # beam masses the prune rule saw (filled while drafting)
     stop: StopRule  # the dynamic-depth prune rule
     budget: Callable[[int], int]  # drafter nodes kept after ``levels`` levels
+    context: int  # committed tokens L
+    retrieval_s: float  # seconds of the root retrieval
 
 
 class GraftDrafter:
@@ -396,11 +405,13 @@ class GraftDrafter:
         retrieved = self.retrieval.propose(ctx).tree  # best-first, scores = log calibrated p
         alone = retrieved if len(retrieved) <= k_max else retrieved.subtree(range(k_max))
         retrieval_s = time.perf_counter() - t0
+        uncut = len(alone)
+        alone, _ = self._cost_cut(alone, [math.exp(s) for s in alone.scores], retrieval_s, context)
         expected = sum(math.exp(s) for s in alone.scores[1:])
         self.counters["steps"] += 1
         decision = self._decide(len(alone), expected, retrieval_s, k_max, context)
         stats: dict[str, float] = {"k_max": float(k_max), "retrieval_expected": expected,
-                                   "retrieval_s": retrieval_s}
+                                   "retrieval_s": retrieval_s, "cost_cut": float(uncut - len(alone))}
         stats.update(self._gate_stats(decision))
         if self.drafter is None or not decision.call:
             self._step = _Step(alone, alone, decision, [], {})
@@ -421,7 +432,7 @@ class GraftDrafter:
         def budget(levels: int) -> int:
             return self.template(self.stage_of(levels), k_max).drafter_nodes
 
-        return _Plan(k_max, retrieved, alone, decision, stats, confidence, stop, budget)
+        return _Plan(k_max, retrieved, alone, decision, stats, confidence, stop, budget, context, retrieval_s)
 
     def _finish(self, ctx: DraftContext, plan: _Plan, drafted: DraftResult, draft_s: float) -> Proposal:
         """Steps 3-4 after the drafter stage (``draft_s``: this sequence's share of its wall time)."""
@@ -435,6 +446,17 @@ class GraftDrafter:
         room = min(tmpl.graft_capacity, k_max - len(tree))
         t2 = time.perf_counter()
         origin = graft_anchored(tree, self._sources(ctx, tree, plan.retrieved, ranked, room), room)
+        rates = self.ranks.rates
+        probs = [1.0] * len(tree)
+        for node, r in ranked:
+            probs[node] = rates[r] if r < len(rates) else 0.0
+        for node in origin:
+            probs[node] = math.exp(tree.scores[node])  # calibrated log path probability (graft_anchored)
+        uncut = len(tree)
+        tree, remap = self._cost_cut(tree, probs, plan.retrieval_s + draft_s + time.perf_counter() - t2, plan.context)
+        if remap is not None:
+            ranked = [(remap[node], r) for node, r in ranked if node in remap]
+            origin = {remap[node]: remap[a] for node, a in origin.items() if node in remap}
         assembly_s = time.perf_counter() - t2
         drafting_s = draft_s + assembly_s
         self.timing.update(stage, drafting_s)
@@ -446,7 +468,7 @@ class GraftDrafter:
         self._step = _Step(tree, plan.alone, plan.decision, ranked, origin)
         stats = plan.stats
         stats.update({"drafting_s": drafting_s, "assembly_s": assembly_s, "grafted": float(len(origin)),
-                      "grafted_anchored": float(anchored)})
+                      "grafted_anchored": float(anchored), "cost_cut": float(uncut - len(tree))})
         if plan.confidence:
             stats["beam_mass"] = plan.confidence[-1]
         return self._proposal(tree, stage, forwards, stats)
@@ -462,6 +484,27 @@ class GraftDrafter:
         size = min(float(k_max), self.hybrid_size if self.hybrid_size is not None else float(k_max))
         extra_verify = max(0.0, c.cost(max(1, round(size)), context) - c_alone)
         return self.gate.decide(expected, per_token, self.timing.expected() + extra_verify)
+
+    def _cost_cut(self, tree: DraftTree, probs: Sequence[float], drafting_s: float,
+                  context: int) -> tuple[DraftTree, dict[int, int] | None]:
+        """``tree`` cut to its cost-optimal best-first prefix (``GraftConfig.cost_cut``).
+
+        ``probs[i]``: node i's calibrated probability of being accepted (``probs[0]`` unused). A
+        node is never rated above its parent (``p_i <- min(p_i, p_parent)``, parents come first),
+        so sorting by ``(-p_i, i)`` puts every parent before its children and each prefix is
+        ancestor-closed; the kept prefix is the n of :meth:`VerifyCostModel.best_prefix`. Returns
+        the cut tree and ``{old node: new node}`` (None when nothing was cut)."""
+        if self.cost_model is None or not self.config.cost_cut or len(tree) <= 1:
+            return tree, None
+        p = [1.0] * len(tree)
+        for i in range(1, len(tree)):
+            p[i] = min(max(float(probs[i]), 0.0), p[tree.parents[i]])
+        order = sorted(range(1, len(tree)), key=lambda i: (-p[i], i))
+        n = self.cost_model.best_prefix([p[i] for i in order], drafting_s, context)
+        if n == len(order):
+            return tree, None
+        keep = sorted([ROOT, *order[:n]])
+        return tree.subtree(keep), {old: new for new, old in enumerate(keep)}
 
     def _sources(self, ctx: DraftContext, tree: DraftTree, retrieved: DraftTree,
                  ranked: list[tuple[int, int]], room: int) -> list[GraftSource]:
@@ -523,6 +566,8 @@ class GraftDrafter:
                      "bucket_edges": list(DrafterGate.EDGES), "gain": [self.gate.gain(b) for b in range(len(self.gate.count))],
                      "observations": list(self.gate.count)} if self.config.gated else None,
             "counters": dict(self.counters),
+            "cost_cut_rule": ("keep the best-first prefix maximising (1 + sum p_i) / (c(n + 1, L) + d)"
+                              if self.config.cost_cut and self.cost_model is not None else None),
         }
         if self.cost_model is not None:
             out["verify_curve_s"] = dict(zip(self.cost_model.sizes, self.cost_model.seconds))
