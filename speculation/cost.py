@@ -178,6 +178,20 @@ class RankAcceptance:
         """``a_0 .. a_{n-1}`` (non-increasing), at most :attr:`size` of them."""
         return self.rates[:n]
 
+    @property
+    def explored(self) -> int:
+        """How many leading ranks (0, 1, ...) have been verified at least once."""
+        n = 0
+        while n < len(self.verified) and self.verified[n] > 0.0:
+            n += 1
+        return n
+
+    def copy(self) -> "RankAcceptance":
+        """An independent estimator with the same counts (a new sequence's prior from a pool)."""
+        out = RankAcceptance(len(self.verified), self.decay)
+        out.accepted, out.verified, out.capacity = list(self.accepted), list(self.verified), self.capacity
+        return out
+
 
 @runtime_checkable
 class OnDevice(Protocol):

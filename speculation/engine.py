@@ -31,9 +31,16 @@ import torch
 
 from speculation import verify as V
 from speculation.config import BatchConfig, EngineConfig, SamplingConfig
-from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome, propose_many
+from speculation.drafters.base import DraftContext, Drafter, Proposal, SkippableDrafter, StepOutcome, propose_many
 from speculation.cost import RankAcceptance
-from speculation.goodput import DEFAULT_BATCH_CONTEXTS, BatchCostModel, CostCorrection, measure_batch_cost, split_budget
+from speculation.goodput import (
+    DEFAULT_BATCH_CONTEXTS,
+    BatchCostModel,
+    CostCorrection,
+    exploration_cap,
+    measure_batch_cost,
+    split_budget,
+)
 from speculation.target import ContextLengthError, SlotState, TargetModel, TreeForward
 from speculation.tree import DraftTree, NodeSource
 
@@ -482,6 +489,8 @@ class BatchEngine:
         self.cost_model = cost_model
         self.cost_correction = CostCorrection()
         """Measured / predicted forward seconds (EMA) that rescales the goodput rule's c(B, t, L)."""
+        self.pooled_ranks = RankAcceptance(config.max_tree_tokens)
+        """Acceptance by rank over every sequence's verified trees: a new sequence's starting estimate."""
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
@@ -587,7 +596,7 @@ class BatchEngine:
             self.target.release_slot(state)
             self._retired[request.request_id] = seq
         else:
-            self._live[request.request_id] = _Live(request, seq, state, RankAcceptance(self.config.max_tree_tokens))
+            self._live[request.request_id] = _Live(request, seq, state, self.pooled_ranks.copy())
         return kept
 
     def _tree_caps(self, lives: list[_Live]) -> list[int]:
@@ -604,17 +613,31 @@ class BatchEngine:
     def _goodput(self) -> bool:
         return self.config.goodput and self.cost_model is not None
 
+    def _drafting_pays(self, lives: list[_Live], caps: list[int]) -> bool:
+        """Before drafting: could any draft node pay this step? The goodput split with every tree
+        at its cap (within :func:`~speculation.goodput.exploration_cap`) and free drafting. When
+        even that verifies nothing, the real split (smaller trees, drafting paid) cannot either,
+        so drafting is skipped (:class:`~speculation.drafters.base.SkippableDrafter`)."""
+        assert self.cost_model is not None
+        room = [min(c - 1, exploration_cap(lv.ranks.explored)) for lv, c in zip(lives, caps)]
+        pre = split_budget([lv.ranks.estimate(n) for lv, n in zip(lives, room)], room, self.cost_model,
+                           budget=self.config.step_token_budget, contexts=[lv.state.length for lv in lives],
+                           correction=self.cost_correction.factor)
+        return any(pre.drafts)
+
     def _verify_step(self, prefill_tokens: dict[str, list[int]]) -> list[SequenceUpdate]:
         lives = list(self._live.values())
         caps = self._tree_caps(lives)
-        proposed = _propose_batch([lv.seq for lv in lives], caps)
+        skip = self._goodput and not self._drafting_pays(lives, caps)
+        proposed = _propose_batch([lv.seq for lv in lives], caps, skip=skip)
         trees = [p[0] for p in proposed]
         split_stats: dict[str, float] = {}
         if self._goodput:
             assert self.cost_model is not None
+            room = [min(len(t) - 1, exploration_cap(lv.ranks.explored)) for lv, t in zip(lives, trees)]
             split = split_budget(
-                [lv.ranks.estimate(len(t) - 1) for lv, t in zip(lives, trees)],
-                [len(t) - 1 for t in trees],
+                [lv.ranks.estimate(n) for lv, n in zip(lives, room)],
+                room,
                 self.cost_model,
                 budget=self.config.step_token_budget,
                 drafting_s=sum(p[2] for p in proposed),
@@ -627,7 +650,8 @@ class BatchEngine:
                            "goodput_predicted_s": split.predicted_s,
                            "goodput_predicted_forward_s": split.forward_s,
                            "goodput_row_tokens": float(split.row_tokens),
-                           "goodput_cost_correction": self.cost_correction.factor}
+                           "goodput_cost_correction": self.cost_correction.factor,
+                           "goodput_drafting_skipped": float(skip)}
         self.last_split = {lv.request.request_id: len(t) for lv, t in zip(lives, trees)}
         need_aux = any(lv.seq.needs_aux for lv in lives)
         tb = time.perf_counter()
@@ -643,8 +667,9 @@ class BatchEngine:
             commit = functools.partial(self.target.commit_slot, lv.state)
             kept, rec = lv.seq.settle(tree, fwd, commit, proposal, draft_s, forward_s,
                                       {**stats, "tree_budget": float(cap)})
-            if self._goodput:  # the estimate feeds only the goodput split
+            if self._goodput:  # the estimates feed only the goodput split
                 lv.ranks.observe(tree, lv.seq.last_accepted)
+                self.pooled_ranks.observe(tree, lv.seq.last_accepted)
             rid = lv.request.request_id
             if lv.seq.finished is not None:
                 self.target.release_slot(lv.state)
@@ -665,12 +690,21 @@ class BatchEngine:
         return results
 
 
-def _propose_batch(seqs: list[_Sequence], caps: list[int]) -> list[tuple[DraftTree, Proposal | None, float]]:
+def _propose_batch(seqs: list[_Sequence], caps: list[int],
+                   skip: bool = False) -> list[tuple[DraftTree, Proposal | None, float]]:
     """Every sequence's tree for this step: drafters sharing a network propose together, one
     forward per drafting stage (:func:`~speculation.drafters.base.propose_many`; retrieval and
-    other drafters per sequence); vanilla sequences verify the root alone."""
+    other drafters per sequence); vanilla sequences verify the root alone. With ``skip``, every
+    :class:`~speculation.drafters.base.SkippableDrafter` sits the step out (root alone too)."""
     out: list[tuple[DraftTree, Proposal | None, float]] = [(DraftTree(s.ctx.root_token), None, 0.0) for s in seqs]
-    drafted = [i for i, s in enumerate(seqs) if s.drafter is not None]
+    drafted = []
+    for i, s in enumerate(seqs):
+        if s.drafter is None:
+            continue
+        if skip and isinstance(s.drafter, SkippableDrafter):
+            s.drafter.skip(s.ctx)
+        else:
+            drafted.append(i)
     proposals = propose_many([cast(Drafter, seqs[i].drafter) for i in drafted], [seqs[i].ctx for i in drafted])
     for i, (proposal, seconds) in zip(drafted, proposals):
         out[i] = _Sequence.take(proposal, caps[i], seconds)

@@ -26,6 +26,17 @@ t = 1 .. 1 + max cap and keeps the best G. ``n_b = 0`` (a tree of one token: pla
 that sequence) happens whenever its q's do not pay, and t = 1 (batched vanilla) is always a
 candidate, so speculation is never chosen at a predicted loss.
 
+Two guards around the rule, both in :class:`~speculation.engine.BatchEngine`:
+
+- **Draft at all?** Before drafting, the engine runs the rule with every tree at its cap and free
+  drafting. If even that verifies no draft node, the real split (smaller trees, drafting paid)
+  cannot either, so drafters that can sit out a step
+  (:class:`~speculation.drafters.base.SkippableDrafter`) are not called: the step is batched
+  vanilla at batched vanilla's price.
+- **Ranks open by doubling** (:func:`exploration_cap`): a sequence verifies at most
+  ``2 E + 1`` draft ranks, E the leading ranks verified so far, and new sequences start from
+  the engine's pooled estimate, so a fresh engine does not verify whole trees on no evidence.
+
 Acceptance by rank is the one estimator Graft uses too (:class:`~speculation.cost.RankAcceptance`:
 a discounted Beta posterior per best-first rank; ranks the tree did not contain are not updated).
 """
@@ -107,6 +118,17 @@ class CostCorrection:
         ratio = min(self.HIGH, max(self.LOW, measured_s / predicted_s))
         self.factor = ratio if self.observed == 0 else self.decay * self.factor + (1 - self.decay) * ratio
         self.observed += 1
+
+
+def exploration_cap(explored: int) -> int:
+    """Most draft ranks a sequence may verify when ``explored`` leading ranks have been verified:
+    ``2 * explored + 1`` (ranks open by doubling: 1, 3, 7, 15, ...).
+
+    An unverified rank's posterior mean is the uninformed 1/2 (:class:`~speculation.cost.RankAcceptance`),
+    so without the cap a fresh engine's first step would verify every rank of every tree at 1/2, the
+    most expensive step it can take, on no evidence. New sequences start from the engine's pooled
+    estimate (:class:`~speculation.engine.BatchEngine`), so the doubling is paid once per engine."""
+    return 2 * max(explored, 0) + 1
 
 
 @dataclass(frozen=True)

@@ -454,6 +454,68 @@ def test_goodput_engine_is_exact_and_reports_the_split(kind):
         assert sum(s.accepted for s in steps) > 0 and max(s.tree_size for s in steps) > 1
 
 
+class _CountingRetrieval(RetrievalDrafter):
+    """Retrieval that counts its proposals (it stays a SkippableDrafter)."""
+
+    proposals = 0
+
+    def propose(self, ctx):
+        type(self).proposals += 1
+        return super().propose(ctx)
+
+
+def test_goodput_skips_drafting_when_no_draft_node_can_pay():
+    """A curve where one draft position quintuples the step: the rule's pre-drafting check finds
+    nothing can pay, so the retrieval drafters never propose (they skip), every step verifies roots
+    alone, and every output equals solo vanilla."""
+    from speculation.goodput import BatchCostModel
+
+    target = tiny_target(_model())
+    dear = BatchCostModel({8: {1: {1: 1.0, 2: 5.0}, 4: {1: 1.0, 2: 5.0}}})
+    _CountingRetrieval.proposals = 0
+    cfg = BatchConfig(max_sequences=4, max_tokens_per_sequence=64, goodput=True)
+    engine = BatchEngine(target, lambda: _CountingRetrieval(RetrievalConfig(budget=8, cost_aware=False), VOCAB), cfg,
+                         cost_model=dear)
+    reqs = [Request(f"r{i}", p, n, GREEDY, stop_at_eos=False) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+    results, updates = _drive(engine, reqs, ARRIVE)
+    for i, p in enumerate(PROMPTS):
+        assert results[f"r{i}"].tokens == _solo_vanilla(target, p, NEW[i])
+    steps = [u.step for ups in updates.values() for u in ups if u.step is not None]
+    assert steps and all(s.stats["goodput_drafting_skipped"] == 1.0 and s.tree_size == 1 for s in steps)
+    assert _CountingRetrieval.proposals == 0
+    # the same engine on a cheap curve drafts
+    cheap = BatchCostModel({8: {1: {1: 1.0, 64: 1.5}, 4: {1: 1.0, 64: 1.5}}})
+    engine = BatchEngine(target, lambda: _CountingRetrieval(RetrievalConfig(budget=8, cost_aware=False), VOCAB), cfg,
+                         cost_model=cheap)
+    results, updates = _drive(engine, reqs, ARRIVE)
+    assert _CountingRetrieval.proposals > 0
+    assert all(results[f"r{i}"].tokens == _solo_vanilla(target, p, NEW[i]) for i, p in enumerate(PROMPTS))
+
+
+def test_goodput_opens_ranks_by_doubling_and_new_sequences_start_from_the_pool():
+    """A fresh engine knows nothing about its drafter: its first step verifies one draft per tree
+    (not every rank at the uninformed 1/2); ranks open 1, 3, 7, ... as they are verified, and a
+    request that joins later starts from the pooled estimate instead of from scratch."""
+    from speculation.goodput import BatchCostModel, exploration_cap
+
+    assert [exploration_cap(e) for e in (0, 1, 3, 7)] == [1, 3, 7, 15]
+    target = tiny_target(_model())
+    cheap = BatchCostModel({8: {1: {1: 1.0, 64: 1.5}, 4: {1: 1.0, 64: 1.5}}})
+    cfg = BatchConfig(max_sequences=4, max_tokens_per_sequence=64, goodput=True, max_tree_tokens=16)
+    engine = BatchEngine(target, _factory("oracle", target), cfg, cost_model=cheap)
+    reqs = [Request(f"r{i}", p, n, GREEDY, stop_at_eos=False) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+    results, updates = _drive(engine, reqs, ARRIVE)
+    for i, p in enumerate(PROMPTS):
+        assert results[f"r{i}"].tokens == _solo_vanilla(target, p, NEW[i])
+    first = [next(u.step for u in updates[f"r{i}"] if u.step is not None) for i in (0, 1)]  # arrived at step 0
+    assert all(s.tree_size <= 2 for s in first), [s.tree_size for s in first]
+    r0 = [u.step.tree_size for u in updates["r0"] if u.step is not None]
+    assert max(r0) > 2, r0  # ranks opened as they were verified
+    assert engine.pooled_ranks.explored >= 7
+    late = next(u.step for u in updates["r5"] if u.step is not None)  # joined at step 6
+    assert late.tree_size > 2, late.tree_size
+
+
 def test_measure_batch_cost_on_the_target():
     from speculation.goodput import measure_batch_cost
 

@@ -109,6 +109,21 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
+class SkippableDrafter(Drafter, Protocol):
+    """A drafter that can sit out a step.
+
+    The batch engine calls :meth:`skip` instead of ``propose`` when it knows before drafting that
+    no draft node can pay this step (:class:`~speculation.engine.BatchEngine` with ``goodput``);
+    the step verifies the root alone and ``observe`` sees that root-only tree as usual. The next
+    ``propose`` must need nothing from the skipped one (it catches up from ``ctx.tokens`` and the
+    observations)."""
+
+    def skip(self, ctx: DraftContext) -> None:
+        """This step drafts nothing: forget any state the last ``propose`` left for ``observe``."""
+        ...
+
+
+@runtime_checkable
 class Reportable(Protocol):
     """A drafter that explains its own decisions (e.g. Graft's chosen dense budget and why)."""
 

@@ -114,6 +114,11 @@ class FeaturePairsDrafter(abc.ABC):
         self._reset_cache(new=True)
         self._append_aux(prompt_aux)
 
+    def skip(self, ctx: DraftContext) -> None:
+        """Sit out a step (:class:`~speculation.drafters.base.SkippableDrafter`): nothing to forget;
+        ``observe`` still stores the accepted rows' features, and the next ``propose`` encodes every
+        pair not yet encoded."""
+
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
         if outcome.aux_hidden is None:
             raise ValueError(f"the {self.name} drafter needs aux hidden states at the accepted nodes")

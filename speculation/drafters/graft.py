@@ -71,6 +71,7 @@ from speculation.drafters.base import (
     DraftContext,
     DraftResult,
     Proposal,
+    SkippableDrafter,
     StagedDrafter,
     StepOutcome,
     StopRule,
@@ -368,6 +369,15 @@ class GraftDrafter:
         self.retrieval.observe(ctx, outcome)
         if self.drafter is not None:
             self.drafter.observe(ctx, outcome)
+
+    def skip(self, ctx: DraftContext) -> None:
+        """Sit out a step (:class:`~speculation.drafters.base.SkippableDrafter`): no rank, gate or
+        graft bookkeeping for it; both sources skip too. (A stage-0 step already leaves the tree
+        drafter without a ``propose``; the feature drafters catch up lazily.)"""
+        self._step = None
+        self.retrieval.skip(ctx)
+        if isinstance(self.drafter, SkippableDrafter):
+            self.drafter.skip(ctx)
 
     def batch_key(self) -> Hashable:
         """Every Graft drafter joins one group; its tree drafters batch by their own keys."""

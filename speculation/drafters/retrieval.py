@@ -312,6 +312,11 @@ class RetrievalDrafter:
                 tree = tree.subtree(range(n + 1))
         return Proposal(tree=tree, drafter_forwards=0)
 
+    def skip(self, ctx: DraftContext) -> None:
+        """Sit out a step (:class:`~speculation.drafters.base.SkippableDrafter`): nothing was
+        proposed, so ``observe`` calibrates nothing; the index catches up at the next ``propose``."""
+        self._full = (DraftTree(ctx.root_token), [None])
+
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
         # Calibrate on the full (uncut) tree: the target's emitted tokens (accepted + bonus) are
         # the true continuation, so every candidate whose parent lies on it was effectively
