@@ -55,6 +55,7 @@ def _run(target, factory, prompts: list[list[int]], max_new_tokens: int) -> tupl
                 "predicted_forward_s": recs[0].stats.get("goodput_predicted_forward_s"),
                 "cost_correction": recs[0].stats.get("goodput_cost_correction"),
                 "row_tokens": recs[0].stats.get("goodput_row_tokens"),
+                "drafting_skipped": recs[0].stats.get("goodput_drafting_skipped"),
                 "tree_tokens": recs[0].stats.get("batch_tree_tokens"),
                 "gained": sum(r.tokens_gained for r in recs),
                 "drafting_s": sum(r.drafting_s for r in recs),

@@ -489,6 +489,8 @@ class BatchEngine:
         self.cost_model = cost_model
         self.cost_correction = CostCorrection()
         """Measured / predicted forward seconds (EMA) that rescales the goodput rule's c(B, t, L)."""
+        self.drafting_s = 0.0
+        """EMA of a drafted step's drafting seconds (all sequences): what the pre-drafting check prices."""
         self.pooled_ranks = RankAcceptance(config.max_tree_tokens)
         """Acceptance by rank over every sequence's verified trees: a new sequence's starting estimate."""
 
@@ -615,14 +617,16 @@ class BatchEngine:
 
     def _drafting_pays(self, lives: list[_Live], caps: list[int]) -> bool:
         """Before drafting: could any draft node pay this step? The goodput split with every tree
-        at its cap (within :func:`~speculation.goodput.exploration_cap`) and free drafting. When
-        even that verifies nothing, the real split (smaller trees, drafting paid) cannot either,
-        so drafting is skipped (:class:`~speculation.drafters.base.SkippableDrafter`)."""
+        at its cap (within :func:`~speculation.goodput.exploration_cap`), priced with the measured
+        drafting seconds of past drafted steps (:attr:`drafting_s`). When that verifies nothing,
+        the drafters that can sit out a step (:class:`~speculation.drafters.base.SkippableDrafter`)
+        are not called: their trees cannot be larger than the caps, so the split after drafting
+        would verify nothing either, and the drafting would be paid for nothing."""
         assert self.cost_model is not None
         room = [min(c - 1, exploration_cap(lv.ranks.explored)) for lv, c in zip(lives, caps)]
         pre = split_budget([lv.ranks.estimate(n) for lv, n in zip(lives, room)], room, self.cost_model,
-                           budget=self.config.step_token_budget, contexts=[lv.state.length for lv in lives],
-                           correction=self.cost_correction.factor)
+                           budget=self.config.step_token_budget, drafting_s=self.drafting_s,
+                           contexts=[lv.state.length for lv in lives], correction=self.cost_correction.factor)
         return any(pre.drafts)
 
     def _verify_step(self, prefill_tokens: dict[str, list[int]]) -> list[SequenceUpdate]:
@@ -634,6 +638,9 @@ class BatchEngine:
         split_stats: dict[str, float] = {}
         if self._goodput:
             assert self.cost_model is not None
+            if not skip and any(p[1] is not None for p in proposed):
+                spent = sum(p[2] for p in proposed)
+                self.drafting_s = spent if self.drafting_s == 0.0 else 0.9 * self.drafting_s + 0.1 * spent
             room = [min(len(t) - 1, exploration_cap(lv.ranks.explored)) for lv, t in zip(lives, trees)]
             split = split_budget(
                 [lv.ranks.estimate(n) for lv, n in zip(lives, room)],
