@@ -37,6 +37,7 @@ from speculation.goodput import (
     DEFAULT_BATCH_CONTEXTS,
     BatchCostModel,
     CostCorrection,
+    Split,
     exploration_cap,
     measure_batch_cost,
     split_budget,
@@ -615,19 +616,22 @@ class BatchEngine:
     def _goodput(self) -> bool:
         return self.config.goodput and self.cost_model is not None
 
+    def _split(self, lives: list[_Live], drafts: list[int], drafting_s: float) -> Split:
+        """The goodput split of this step when sequence b can verify ``drafts[b]`` draft nodes
+        (cut to :func:`~speculation.goodput.exploration_cap`) and drafting costs ``drafting_s``."""
+        assert self.cost_model is not None
+        room = [min(n, exploration_cap(lv.ranks.explored)) for lv, n in zip(lives, drafts)]
+        return split_budget([lv.ranks.estimate(n) for lv, n in zip(lives, room)], room, self.cost_model,
+                            budget=self.config.step_token_budget, drafting_s=drafting_s,
+                            contexts=[lv.state.length for lv in lives], correction=self.cost_correction.factor)
+
     def _drafting_pays(self, lives: list[_Live], caps: list[int]) -> bool:
         """Before drafting: could any draft node pay this step? The goodput split with every tree
-        at its cap (within :func:`~speculation.goodput.exploration_cap`), priced with the measured
-        drafting seconds of past drafted steps (:attr:`drafting_s`). When that verifies nothing,
-        the drafters that can sit out a step (:class:`~speculation.drafters.base.SkippableDrafter`)
-        are not called: their trees cannot be larger than the caps, so the split after drafting
-        would verify nothing either, and the drafting would be paid for nothing."""
-        assert self.cost_model is not None
-        room = [min(c - 1, exploration_cap(lv.ranks.explored)) for lv, c in zip(lives, caps)]
-        pre = split_budget([lv.ranks.estimate(n) for lv, n in zip(lives, room)], room, self.cost_model,
-                           budget=self.config.step_token_budget, drafting_s=self.drafting_s,
-                           contexts=[lv.state.length for lv in lives], correction=self.cost_correction.factor)
-        return any(pre.drafts)
+        at its cap, priced with the EMA of past drafted steps' drafting seconds (:attr:`drafting_s`).
+        When that verifies nothing, the drafters that can sit out a step
+        (:class:`~speculation.drafters.base.SkippableDrafter`) are not called: their trees cannot
+        be larger than the caps, so drafting would most likely be paid for nothing."""
+        return any(self._split(lives, [c - 1 for c in caps], self.drafting_s).drafts)
 
     def _verify_step(self, prefill_tokens: dict[str, list[int]]) -> list[SequenceUpdate]:
         lives = list(self._live.values())
@@ -636,21 +640,13 @@ class BatchEngine:
         proposed = _propose_batch([lv.seq for lv in lives], caps, skip=skip)
         trees = [p[0] for p in proposed]
         split_stats: dict[str, float] = {}
+        split: Split | None = None
         if self._goodput:
             assert self.cost_model is not None
             if not skip and any(p[1] is not None for p in proposed):
                 spent = sum(p[2] for p in proposed)
                 self.drafting_s = spent if self.drafting_s == 0.0 else 0.9 * self.drafting_s + 0.1 * spent
-            room = [min(len(t) - 1, exploration_cap(lv.ranks.explored)) for lv, t in zip(lives, trees)]
-            split = split_budget(
-                [lv.ranks.estimate(n) for lv, n in zip(lives, room)],
-                room,
-                self.cost_model,
-                budget=self.config.step_token_budget,
-                drafting_s=sum(p[2] for p in proposed),
-                contexts=[lv.state.length for lv in lives],
-                correction=self.cost_correction.factor,
-            )
+            split = self._split(lives, [len(t) - 1 for t in trees], sum(p[2] for p in proposed))
             trees = [t.pruned_to(n) for t, n in zip(trees, split.drafts)]
             caps = [n + 1 for n in split.drafts]
             split_stats = {"goodput_expected_tokens": split.expected_tokens,
@@ -664,9 +660,8 @@ class BatchEngine:
         tb = time.perf_counter()
         fwds = self.target.verify_batch([lv.state for lv in lives], trees, need_aux=need_aux)
         forward_s = time.perf_counter() - tb
-        if self._goodput:  # what the grid predicted (uncorrected) against what the forward took
-            self.cost_correction.observe(split_stats["goodput_predicted_forward_s"] / self.cost_correction.factor,
-                                         forward_s)
+        if split is not None:  # what the grid predicted (uncorrected) against what the forward took
+            self.cost_correction.observe(split.forward_s / self.cost_correction.factor, forward_s)
         stats = {"batch_size": float(len(lives)), "batch_tree_tokens": float(sum(len(t) for t in trees)),
                  **split_stats}
         updates = []
