@@ -8,8 +8,10 @@ Runs the first ``--sequences`` Spec-Bench first turns together through
 rule's prediction (``goodput_predicted_s``: k * c(B, t, L) + drafting seconds), the measured step
 seconds, the target-forward seconds (a sequence's ``verify_s`` covers the shared forward plus
 its own acceptance and commit), the tree tokens N and the tokens gained. Then it runs the same
-prompts as batched vanilla. It prints the medians and the engine's measured grid c(B, .) and
-writes them to ``--json`` when given.
+prompts as batched vanilla. It prints the medians, the sums over those steps (seconds, tokens,
+steps that drafted or probed), the ratio of median step seconds (vanilla / speculative: above 1
+means the speculative step is cheaper per step; tokens per step are in the totals) and the
+engine's measured grid c(B, .), and writes them to ``--json`` when given.
 
 Why this exists: in the fp32 concurrency table of BENCHMARKS.md, retrieval under the goodput
 rule ran at 0.46× batched vanilla at N = 16. This script showed the rule predicting 0.24 s for
@@ -56,6 +58,7 @@ def _run(target, factory, prompts: list[list[int]], max_new_tokens: int) -> tupl
                 "cost_correction": recs[0].stats.get("goodput_cost_correction"),
                 "row_tokens": recs[0].stats.get("goodput_row_tokens"),
                 "drafting_skipped": recs[0].stats.get("goodput_drafting_skipped"),
+                "drafting_probe": recs[0].stats.get("goodput_drafting_probe"),
                 "tree_tokens": recs[0].stats.get("batch_tree_tokens"),
                 "gained": sum(r.tokens_gained for r in recs),
                 "drafting_s": sum(r.drafting_s for r in recs),
@@ -65,6 +68,16 @@ def _run(target, factory, prompts: list[list[int]], max_new_tokens: int) -> tupl
 
 def _medians(rows: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0] if rows[0][k] is not None}
+
+
+def _totals(rows: list[dict]) -> dict:
+    """Sums over the all-live steps: seconds, tokens gained, and how many steps drafted or probed."""
+    drafted = [r for r in rows if r.get("drafting_skipped") == 0.0]
+    return {"steps": len(rows), "seconds": sum(r["step_s"] for r in rows),
+            "tokens": sum(r["gained"] for r in rows),
+            "tokens_per_s": sum(r["gained"] for r in rows) / sum(r["step_s"] for r in rows),
+            "steps_drafted": len(drafted), "steps_probed": sum(r.get("drafting_probe") == 1.0 for r in rows),
+            "drafting_s": sum(r["drafting_s"] for r in rows)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sequences must be in [1, 26] (two Spec-Bench questions per category), got {args.sequences}")
 
     from speculation import assets
+    from speculation.bench.runner import environment
     from speculation.drafters import build_drafter, resolve_methods
     from speculation.target import TargetModel
 
@@ -88,19 +102,26 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [assets.encode_turn(tok, [], q.turns[0]) for q in assets.load_questions("spec_bench", 2)]
     prompts = prompts[: args.sequences]
     spec = resolve_methods([args.method], {})[0]
+    build_drafter(spec, target)  # measures and caches the drafter's c(T) here, not inside a timed step
     spec_rows, cost = _run(target, lambda: build_drafter(spec, target), prompts, args.max_new_tokens)
     van_rows, _ = _run(target, None, prompts, args.max_new_tokens)
     if not spec_rows or not van_rows:
         print("no step had every sequence live; raise --max-new-tokens", file=sys.stderr)
         return 1
     out = {
+        "command": " ".join(["benchmarks/goodput_calibration.py", *(argv if argv is not None else sys.argv[1:])]),
+        "environment": environment(),
         "model": args.model, "dtype": args.dtype, "method": args.method, "sequences": args.sequences,
         "max_new_tokens": args.max_new_tokens, "prompt_tokens": [len(p) for p in prompts],
         "speculative_median": _medians(spec_rows), "vanilla_median": _medians(van_rows),
+        "speculative_total": _totals(spec_rows), "vanilla_total": _totals(van_rows),
+        "speculative_steps": spec_rows, "vanilla_steps": van_rows,
+        "median_step_ratio": statistics.median(r["step_s"] for r in van_rows)
+        / statistics.median(r["step_s"] for r in spec_rows),
         "grid": ({str(L): {str(b): {str(t): s for t, s in row.items()} for b, row in by_b.items()}
                   for L, by_b in cost.grid.items()} if cost else None),
     }
-    print(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if not k.endswith("_steps")}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

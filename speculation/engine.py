@@ -431,6 +431,28 @@ class _Live:
     seq: _Sequence
     state: SlotState
     ranks: RankAcceptance
+    draft_size: float | None = None
+    """EMA of the draft nodes (root excluded) this sequence's drafter proposed when called; None
+    until it has drafted once (the pre-drafting check then assumes a full tree)."""
+
+    SIZE_DECAY = 0.8
+
+    def observe_draft_size(self, n: int) -> None:
+        """``draft_size <- SIZE_DECAY * draft_size + (1 - SIZE_DECAY) * n`` (the first one replaces None)."""
+        self.draft_size = float(n) if self.draft_size is None else (
+            self.SIZE_DECAY * self.draft_size + (1.0 - self.SIZE_DECAY) * n)
+
+
+class DraftingCheck(str, enum.Enum):
+    """The goodput rule's verdict before drafting (:meth:`BatchEngine._drafting_check`)."""
+
+    DRAFT = "draft"
+    """Some sequence's expected tree has a draft node that pays: call the drafters."""
+    SKIP = "skip"
+    """No draft node pays: every :class:`~speculation.drafters.base.SkippableDrafter` sits out."""
+    PROBE = "probe"
+    """Only the expected tree sizes said skip (full trees would pay): draft anyway, to re-measure
+    the sizes; probes back off by doubling while they keep verifying nothing."""
 
 
 class BatchEngine:
@@ -492,6 +514,9 @@ class BatchEngine:
         """Measured / predicted forward seconds (EMA) that rescales the goodput rule's c(B, t, L)."""
         self.drafting_s = 0.0
         """EMA of a drafted step's drafting seconds (all sequences): what the pre-drafting check prices."""
+        self._skips_since_draft = 0
+        self._probe_every = 1
+        """Steps skipped on expected sizes before a probe (1, 2, 4, ... up to :attr:`MAX_PROBE_EVERY`)."""
         self.pooled_ranks = RankAcceptance(config.max_tree_tokens)
         """Acceptance by rank over every sequence's verified trees: a new sequence's starting estimate."""
 
@@ -625,28 +650,59 @@ class BatchEngine:
                             budget=self.config.step_token_budget, drafting_s=drafting_s,
                             contexts=[lv.state.length for lv in lives], correction=self.cost_correction.factor)
 
-    def _drafting_pays(self, lives: list[_Live], caps: list[int]) -> bool:
-        """Before drafting: could any draft node pay this step? The goodput split with every tree
-        at its cap, priced with the EMA of past drafted steps' drafting seconds (:attr:`drafting_s`).
-        When that verifies nothing, the drafters that can sit out a step
-        (:class:`~speculation.drafters.base.SkippableDrafter`) are not called: their trees cannot
-        be larger than the caps, so drafting would most likely be paid for nothing."""
-        return any(self._split(lives, [c - 1 for c in caps], self.drafting_s).drafts)
+    MAX_PROBE_EVERY = 64
+
+    def _drafting_check(self, lives: list[_Live], caps: list[int]) -> DraftingCheck:
+        """Before drafting: could any draft node pay this step? Priced with the EMA of past drafted
+        steps' drafting seconds (:attr:`drafting_s`), on two tree sizes per sequence:
+
+        * expected: ``min(cap - 1, round(draft_size))`` draft nodes (what its drafter proposed
+          lately; a retrieval drafter often proposes a few nodes or none). A split that verifies
+          some of them: DRAFT.
+        * full: ``cap - 1`` draft nodes. A split that verifies nothing even then: SKIP (no tree
+          the drafter may propose can pay).
+        * Otherwise only the estimate says skip. It is not re-measured while drafting is skipped,
+          so every ``probe_every``-th such step drafts anyway (PROBE); a probe that verifies
+          nothing doubles ``probe_every`` (up to :attr:`MAX_PROBE_EVERY`), one that verifies a
+          draft resets it to 1.
+        """
+        full = [c - 1 for c in caps]
+        expected = [f if lv.draft_size is None else min(f, round(lv.draft_size)) for lv, f in zip(lives, full)]
+        if any(self._split(lives, expected, self.drafting_s).drafts):
+            return DraftingCheck.DRAFT
+        if expected == full or not any(self._split(lives, full, self.drafting_s).drafts):
+            return DraftingCheck.SKIP
+        self._skips_since_draft += 1
+        return DraftingCheck.PROBE if self._skips_since_draft > self._probe_every else DraftingCheck.SKIP
+
+    def _after_drafting(self, check: DraftingCheck, lives: list[_Live],
+                        proposed: list[tuple[DraftTree, Proposal | None, float]], split: Split) -> None:
+        """Book a drafted step: drafting seconds (EMA), proposed sizes, and the probe backoff."""
+        spent = sum(p[2] for p in proposed)
+        self.drafting_s = spent if self.drafting_s == 0.0 else 0.9 * self.drafting_s + 0.1 * spent
+        for lv, (tree, proposal, _) in zip(lives, proposed):
+            if proposal is not None:
+                lv.observe_draft_size(len(tree) - 1)
+        self._skips_since_draft = 0
+        if any(split.drafts):
+            self._probe_every = 1
+        elif check is DraftingCheck.PROBE:
+            self._probe_every = min(2 * self._probe_every, self.MAX_PROBE_EVERY)
 
     def _verify_step(self, prefill_tokens: dict[str, list[int]]) -> list[SequenceUpdate]:
         lives = list(self._live.values())
         caps = self._tree_caps(lives)
-        skip = self._goodput and not self._drafting_pays(lives, caps)
+        check = self._drafting_check(lives, caps) if self._goodput else DraftingCheck.DRAFT
+        skip = check is DraftingCheck.SKIP
         proposed = _propose_batch([lv.seq for lv in lives], caps, skip=skip)
         trees = [p[0] for p in proposed]
         split_stats: dict[str, float] = {}
         split: Split | None = None
         if self._goodput:
             assert self.cost_model is not None
-            if not skip and any(p[1] is not None for p in proposed):
-                spent = sum(p[2] for p in proposed)
-                self.drafting_s = spent if self.drafting_s == 0.0 else 0.9 * self.drafting_s + 0.1 * spent
             split = self._split(lives, [len(t) - 1 for t in trees], sum(p[2] for p in proposed))
+            if not skip and any(p[1] is not None for p in proposed):
+                self._after_drafting(check, lives, proposed, split)
             trees = [t.pruned_to(n) for t, n in zip(trees, split.drafts)]
             caps = [n + 1 for n in split.drafts]
             split_stats = {"goodput_expected_tokens": split.expected_tokens,
@@ -654,7 +710,8 @@ class BatchEngine:
                            "goodput_predicted_forward_s": split.forward_s,
                            "goodput_row_tokens": float(split.row_tokens),
                            "goodput_cost_correction": self.cost_correction.factor,
-                           "goodput_drafting_skipped": float(skip)}
+                           "goodput_drafting_skipped": float(skip),
+                           "goodput_drafting_probe": float(check is DraftingCheck.PROBE)}
         self.last_split = {lv.request.request_id: len(t) for lv, t in zip(lives, trees)}
         need_aux = any(lv.seq.needs_aux for lv in lives)
         tb = time.perf_counter()

@@ -56,8 +56,11 @@ from speculation.tree import DraftTree
 
 DEFAULT_BATCH_CONTEXTS = (64, 512)
 """Committed-context lengths c(B, t, L) is measured at (those that fit the slots)."""
-DEFAULT_ROW_TOKENS = (1, 4, 16)
-"""Query positions per row (tree size of the largest tree) c(B, t, L) is measured at."""
+DEFAULT_ROW_TOKENS = (1, 2, 4, 16)
+"""Query positions per row (tree size of the largest tree) c(B, t, L) is measured at. The curve
+is far from linear at the small end: on the fp32 CPU host c(16, 2, 64) measured 1.7x c(16, 1, 64)
+while c(16, 4, 64) was 1.9x, so t = 2 is measured rather than interpolated between 1 and 4
+(``benchmarks/results/goodput_calibration_n16_fp32.json``)."""
 
 
 @dataclass(frozen=True)

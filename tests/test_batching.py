@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from speculation.config import BatchConfig, ConfigError, EngineConfig, RetrievalConfig, SamplingConfig
+from speculation.drafters.base import Proposal
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.engine import (
     AdmissionError,
@@ -28,6 +29,7 @@ from speculation.engine import (
     generate_speculative,
     generate_vanilla,
 )
+from speculation.tree import DraftTree
 from tests.helpers import (
     GreedyOracleDrafter,
     RandomTreeDrafter,
@@ -490,6 +492,44 @@ def test_goodput_skips_drafting_when_no_draft_node_can_pay():
     results, updates = _drive(engine, reqs, ARRIVE)
     assert _CountingRetrieval.proposals > 0
     assert all(results[f"r{i}"].tokens == _solo_vanilla(target, p, NEW[i]) for i, p in enumerate(PROMPTS))
+
+
+class _SilentRetrieval(RetrievalDrafter):
+    """A skippable drafter that, when called, proposes nothing (the root alone) and counts calls."""
+
+    proposals = 0
+
+    def propose(self, ctx):
+        type(self).proposals += 1
+        self.skip(ctx)
+        return Proposal(DraftTree(ctx.root_token))
+
+
+def test_goodput_skips_drafters_that_propose_nothing_and_probes_them_with_backoff():
+    """On a curve where full trees would pay, a drafter that lately proposed nothing is not called
+    every step: the pre-drafting check prices each sequence's expected tree (an EMA of what it
+    proposed), skips, and re-measures with probes whose spacing doubles (2, 3, 5, 9, ... steps)
+    while they verify nothing. Without the estimate it would be called on every step."""
+    from speculation.goodput import BatchCostModel
+
+    target = tiny_target(_model())
+    cheap = BatchCostModel({8: {1: {1: 1.0, 64: 1.5}, 4: {1: 1.0, 64: 1.5}}})
+    cfg = BatchConfig(max_sequences=4, max_tokens_per_sequence=64, goodput=True)
+    _SilentRetrieval.proposals = 0
+    engine = BatchEngine(target, lambda: _SilentRetrieval(RetrievalConfig(budget=8, cost_aware=False), VOCAB), cfg,
+                         cost_model=cheap)
+    reqs = [Request(f"r{i}", p, 48, GREEDY, stop_at_eos=False) for i, p in enumerate(PROMPTS[:2])]
+    results, updates = _drive(engine, reqs, [0, 0])
+    for i, p in enumerate(PROMPTS[:2]):
+        assert results[f"r{i}"].tokens == _solo_vanilla(target, p, 48)
+    steps = [u.step for u in updates["r0"] if u.step is not None]
+    drafted = [i for i, s in enumerate(steps) if s.stats["goodput_drafting_skipped"] == 0.0]
+    probes = [i for i, s in enumerate(steps) if s.stats["goodput_drafting_probe"] == 1.0]
+    assert drafted[0] == 0 and probes == drafted[1:], (drafted, probes)  # the first step drafts (no estimate yet)
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0], gaps  # the backoff doubles
+    assert _SilentRetrieval.proposals == 2 * len(drafted) < len(steps)  # both sequences, on drafted steps only
+    assert engine._probe_every > 1
 
 
 def test_goodput_opens_ranks_by_doubling_and_new_sequences_start_from_the_pool():

@@ -33,6 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -44,82 +45,123 @@ from speculation.tree import DraftTree, NodeSource
 
 
 _TOP_CHILDREN = 4  # continuations kept per trie node, by count: the only ones ever proposed
+_TRIE_ROOT = 0  # node id of a CountTrie's root (the empty substring)
 
 
-class _TrieNode:
-    """A count-trie node: ``children[token]``, ``count`` (occurrences of this substring),
-    ``total`` (sum of the children's counts) and ``top`` (up to ``_TOP_CHILDREN`` child tokens,
-    most frequent first, maintained incrementally so proposing never scans all children)."""
+class CountTrie:
+    """A count trie in flat int lists: node ids are ints (0 = the root), nothing per node is a
+    Python object.
 
-    __slots__ = ("children", "count", "total", "top")
+    Per node ``n``: ``count[n]`` (occurrences of the substring ending at n), ``total[n]`` (the sum
+    of its children's counts) and ``top(n)`` (up to ``_TOP_CHILDREN`` child tokens, most frequent
+    first, maintained incrementally so proposing never scans all children). The edge
+    ``(n, token) -> child`` is one entry of an int-to-int dict keyed ``n << 32 | token``.
+
+    Why flat: a node-object trie holds about three garbage-collected objects per node, i.e. per
+    indexed token times the depth. Sixteen 300-token contexts at depth 14 added ~380k objects,
+    and every full collection then walked them all (0.27-0.38 s each, a stall of two batched
+    steps at N = 16). Here the collector tracks three int lists whatever the trie's size (the
+    int-to-int dict is not tracked at all), and walking a list of ints is a C loop.
+    """
+
+    _SHIFT = 32
 
     def __init__(self) -> None:
-        self.children: dict[int, _TrieNode] = {}
-        self.count = 0
-        self.total = 0
-        self.top: list[int] = []
+        self.count: list[int] = [0]
+        self.total: list[int] = [0]
+        self._top: list[int] = [-1] * _TOP_CHILDREN  # [nodes * _TOP_CHILDREN], -1 = empty
+        self._edges: dict[int, int] = {}
 
-    def bump(self, token: int) -> "_TrieNode":
-        """Count one more occurrence of ``token`` after this node; return the child (O(1))."""
-        child = self.children.get(token)
+    def __len__(self) -> int:
+        return len(self.count)
+
+    def child(self, node: int, token: int) -> int | None:
+        return self._edges.get(node << self._SHIFT | token)
+
+    def top(self, node: int) -> list[int]:
+        """The most frequent child tokens of ``node``, most frequent first."""
+        base = node * _TOP_CHILDREN
+        return [t for t in self._top[base : base + _TOP_CHILDREN] if t >= 0]
+
+    def bump(self, node: int, token: int) -> int:
+        """Count one more occurrence of ``token`` after ``node``; return the child (O(1))."""
+        key = node << self._SHIFT | token
+        child = self._edges.get(key)
+        count = self.count
         if child is None:
-            child = _TrieNode()
-            self.children[token] = child
-        child.count += 1
-        self.total += 1
-        top = self.top
-        if token in top:
-            i = top.index(token)
-        elif len(top) < _TOP_CHILDREN:
-            top.append(token)
-            i = len(top) - 1
-        elif child.count > self.children[top[-1]].count:
-            top[-1] = token
-            i = len(top) - 1
-        else:
-            return child
-        while i > 0 and self.children[top[i - 1]].count < child.count:
+            child = len(count)
+            count.append(0)
+            self.total.append(0)
+            self._top.extend(_EMPTY_TOP)
+            self._edges[key] = child
+        count[child] += 1
+        self.total[node] += 1
+        top, edges, shift = self._top, self._edges, self._SHIFT
+        base = node * _TOP_CHILDREN
+        i = -1
+        for j in range(base, base + _TOP_CHILDREN):
+            t = top[j]
+            if t == token:
+                i = j
+                break
+            if t < 0:  # a free slot: the token was not listed
+                top[j] = token
+                i = j
+                break
+        if i < 0:  # listed children are full: replace the last if this one is now more frequent
+            last = base + _TOP_CHILDREN - 1
+            if count[child] <= count[edges[node << shift | top[last]]]:
+                return child
+            top[last] = token
+            i = last
+        while i > base and count[edges[node << shift | top[i - 1]]] < count[child]:
             top[i - 1], top[i] = top[i], top[i - 1]
             i -= 1
         return child
 
 
+_EMPTY_TOP = (-1,) * _TOP_CHILDREN
+
+
 class SuffixIndex:
     """Counts of every substring of length <= ``depth`` of a growing token sequence.
 
-    ``active[k]`` is the node of the suffix of length ``k + 1`` ending at the last token, so
-    ``active`` doubles as the list of context matches, shortest first.
+    ``active[k]`` is the node (of :attr:`trie`) of the suffix of length ``k + 1`` ending at the
+    last token, so ``active`` doubles as the list of context matches, shortest first.
     """
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self.root = _TrieNode()
-        self.active: list[_TrieNode] = []
+        self.trie = CountTrie()
+        self.active: list[int] = []
         self.length = 0
 
     def append(self, token: int) -> None:
         """Extend every live suffix by ``token`` (O(depth))."""
-        self.root.count += 1
-        self.active = [node.bump(token) for node in (self.root, *self.active[: self.depth - 1])]
+        trie = self.trie
+        trie.count[_TRIE_ROOT] += 1
+        self.active = [trie.bump(node, token) for node in (_TRIE_ROOT, *self.active[: self.depth - 1])]
         self.length += 1
 
     def extend(self, tokens: list[int]) -> None:
         for t in tokens:
             self.append(t)
 
-    def matches(self, min_len: int, max_len: int, path: Sequence[int] = ()) -> list[tuple[int, _TrieNode]]:
-        """(match length, node) for suffixes of ``context + path`` with a recorded continuation,
-        longest first (``path``: draft tokens after the last indexed token; nothing is inserted).
+    def matches(self, min_len: int, max_len: int, path: Sequence[int] = ()) -> list[tuple[int, int]]:
+        """(match length, node of :attr:`trie`) for suffixes of ``context + path`` with a recorded
+        continuation, longest first (``path``: draft tokens after the last indexed token; nothing
+        is inserted).
 
         Advancing along ``path`` costs O(depth) per token: the suffix of length k+2 ending at the
         new token is the child of the suffix of length k+1, and if a suffix never occurred no
         longer one did either, so the live list stays contiguous from length 1.
         """
+        trie = self.trie
         active = self.active
         for tok in path:
-            moved: list[_TrieNode] = []
-            for node in (self.root, *active[: self.depth - 1]):
-                nxt = node.children.get(tok)
+            moved: list[int] = []
+            for node in (_TRIE_ROOT, *active[: self.depth - 1]):
+                nxt = trie.child(node, tok)
                 if nxt is None:
                     break
                 moved.append(nxt)
@@ -127,7 +169,7 @@ class SuffixIndex:
         out = []
         for k in range(min(max_len, len(active)) - 1, min_len - 2, -1):
             node = active[k]
-            if node.children:
+            if trie.total[node]:
                 out.append((k + 1, node))
         return out
 
@@ -170,8 +212,9 @@ class SuffixArrayDatastore:
                 hi = mid
         return lo
 
-    def lookup(self, context: list[int], min_len: int, max_depth: int) -> tuple[int, _TrieNode] | None:
-        """Longest suffix of ``context`` (>= min_len) found in the corpus -> (length, count trie)."""
+    def lookup(self, context: list[int], min_len: int, max_depth: int) -> tuple[int, CountTrie] | None:
+        """Longest suffix of ``context`` (>= min_len) found in the corpus -> (length, count trie of
+        its continuations, rooted at node 0)."""
         for k in range(min(self.match_len, len(context)), min_len - 1, -1):
             query = context[-k:]
             lo = self._bound(query, upper=False)
@@ -181,14 +224,14 @@ class SuffixArrayDatastore:
             starts = self.order[lo:hi]
             if len(starts) > self.max_continuations:
                 starts = starts[:: max(1, len(starts) // self.max_continuations)][: self.max_continuations]
-            root = _TrieNode()
+            trie = CountTrie()
             for s in starts.tolist():
-                node = root
-                node.count += 1
+                node = _TRIE_ROOT
+                trie.count[_TRIE_ROOT] += 1
                 for t in self.tokens[s + k : s + k + max_depth].tolist():
-                    node = node.bump(t)
-            if root.children:
-                return k, root
+                    node = trie.bump(node, t)
+            if trie.total[_TRIE_ROOT]:
+                return k, trie
         return None
 
 
@@ -368,13 +411,14 @@ class RetrievalDrafter:
         budget: int,
         root_node: int = 0,
         tree: DraftTree | None = None,
-        matches: list[tuple[int, _TrieNode]] | None = None,
+        matches: list[tuple[int, int]] | None = None,
     ) -> tuple[DraftTree, list[tuple[_Kind, int] | None]]:
         """Best-first tree of at most ``budget`` new nodes under ``root_node`` of ``tree``.
 
         ``tokens`` is the context whose last token is the root's token; ``matches`` its suffix
-        matches (default: the index's matches of the committed context). Returns the tree and, per
-        node index, the (source kind, calibration bucket) of retrieval nodes.
+        matches as (length, node of ``self.index.trie``) (default: the index's matches of the
+        committed context). Returns the tree and, per node index, the (source kind, calibration
+        bucket) of retrieval nodes.
         """
         cfg = self.config
         if matches is None:
@@ -382,20 +426,23 @@ class RetrievalDrafter:
         if tree is None:
             tree = DraftTree(tokens[-1])
         meta: list[tuple[_Kind, int] | None] = [None] * len(tree)
-        heap: list[tuple[float, int, int, int, _Kind, int, _TrieNode | None]] = []
+        # entries: (-log p, tie-break, parent, token, kind, bucket, (trie, trie node) or None)
+        heap: list[tuple[float, int, int, int, _Kind, int, tuple[CountTrie, int] | None]] = []
         counter = 0
 
-        def push_trie(parent: int, logp: float, node: _TrieNode, eff_len: int) -> None:
+        def push_trie(parent: int, logp: float, trie: CountTrie, node: int, eff_len: int) -> None:
+            """Queue ``node``'s top children: p(child) = count(child) / total(node) * conf(bucket)."""
             nonlocal counter
             bucket = min(eff_len, _MAX_BUCKET)
             conf = self.suffix_conf[bucket].value
-            for tok in node.top:
-                child = node.children[tok]
-                p = child.count / node.total * conf
+            total = trie.total[node]
+            for tok in trie.top(node):
+                child = cast(int, trie.child(node, tok))
+                p = trie.count[child] / total * conf
                 if p < cfg.min_token_prob:
                     continue
                 counter += 1
-                heapq.heappush(heap, (-(logp + math.log(p)), counter, parent, tok, _Kind.SUFFIX, bucket, child))
+                heapq.heappush(heap, (-(logp + math.log(p)), counter, parent, tok, _Kind.SUFFIX, bucket, (trie, child)))
 
         def push_table(parent: int, logp: float, prev: int | None, token: int) -> None:
             nonlocal counter
@@ -413,11 +460,11 @@ class RetrievalDrafter:
 
         base_logp = tree.scores[root_node]
         for match_len, node in matches[:3]:
-            push_trie(root_node, base_logp, node, match_len)
+            push_trie(root_node, base_logp, self.index.trie, node, match_len)
         if self.datastore is not None:
             found = self.datastore.lookup(tokens, cfg.min_match_len, cfg.max_depth)
             if found is not None:
-                push_trie(root_node, base_logp, found[1], found[0])
+                push_trie(root_node, base_logp, found[1], _TRIE_ROOT, found[0])
         root_prev = (
             tree.tokens[tree.parents[root_node]] if root_node > 0 else (tokens[-2] if len(tokens) > 1 else None)
         )
@@ -434,7 +481,7 @@ class RetrievalDrafter:
             added += 1
             if tree.depths[idx] - root_depth >= cfg.max_depth:
                 continue
-            if trie_child is not None and trie_child.children:
-                push_trie(idx, -neg_logp, trie_child, bucket + 1)
+            if trie_child is not None and trie_child[0].total[trie_child[1]]:
+                push_trie(idx, -neg_logp, trie_child[0], trie_child[1], bucket + 1)
             push_table(idx, -neg_logp, tree.tokens[parent], tok)
         return tree, meta
