@@ -10,7 +10,7 @@ from speculation.config import ConfigError, RetrievalConfig
 from speculation.cost import VerifyCostModel
 from speculation.drafters.base import DraftContext, StepOutcome
 from speculation.drafters.retrieval import RetrievalDrafter, SuffixArrayDatastore, SuffixIndex, TransitionTable
-from speculation.tree import NodeSource
+from speculation.tree import DraftTree, NodeSource
 
 
 def test_suffix_index_counts_and_matches():
@@ -80,6 +80,30 @@ def test_retrieval_proposes_the_repeated_continuation():
     assert tree.path_tokens(tree.child(tree.child(first[0], 14), 15))[-3:] == [13, 14, 15]
     assert len(tree) - 1 <= cfg.budget
     assert all(s == NodeSource.RETRIEVAL for s in tree.sources[1:])
+
+
+def test_skipped_steps_leave_the_index_behind_and_propose_catches_up():
+    """A drafter that sat steps out (the batch engine's skip) does not index their tokens in
+    ``observe``; its next proposal equals that of a twin that proposed on every step."""
+    cfg = RetrievalConfig(budget=8, transition_topk=0, cost_aware=False)
+    text = [10, 11, 12, 13, 14, 15, 16, 50, 51]
+    later = [10, 11, 12, 13, 14, 60, 10, 11, 12]  # repeats what both must have indexed
+    a, b = RetrievalDrafter(cfg, vocab_size=100), RetrievalDrafter(cfg, vocab_size=100)
+    ctx_a, ctx_b = DraftContext(tokens=list(text), prompt_len=len(text)), DraftContext(tokens=list(text), prompt_len=len(text))
+    a.begin(ctx_a, None)
+    b.begin(ctx_b, None)
+    for tok in later:
+        root = ctx_a.tokens[-1]
+        a.skip(ctx_a)
+        b.propose(ctx_b)
+        for d, ctx in ((a, ctx_a), (b, ctx_b)):
+            ctx.tokens.append(tok)
+            d.observe(ctx, StepOutcome(tree=DraftTree(root), accepted=[0], accepted_tokens=[root], bonus_token=tok))
+    assert a.index.length == len(text) < b.index.length == len(text) + len(later)  # a is behind
+    ta, tb = a.propose(ctx_a).tree, b.propose(ctx_b).tree
+    assert a.index.length == b.index.length
+    assert ta.tokens == tb.tokens and ta.parents == tb.parents
+    assert ta.tokens[ta.children(0)[0]] == 13  # "10 11 12" continued as it did twice before
 
 
 def test_budget_and_depth_are_respected():
