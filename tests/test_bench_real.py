@@ -34,9 +34,9 @@ def test_retrieval_is_lossless_on_spec_bench_fp32(smol_fp32):
     except assets.AssetError:
         pytest.skip("Spec-Bench question file not available beside the checkout")
     assert len(questions) >= 8
-    questions = questions[:8]  # 8 categories x 48 tokens keep the fp32 bench path under a minute
+    questions = questions[:8]  # 8 categories x 32 tokens keep the fp32 bench path under a minute
     cfg = BenchConfig(methods=("vanilla", "retrieval"), dtype="float32", dataset="spec_bench",
-                      limit_per_category=1, max_new_tokens=48, max_turns=1, warmup=0)
+                      limit_per_category=1, max_new_tokens=32, max_turns=1, warmup=0)
     # cost_aware off: measuring c(T) took 3-4 minutes here; the cost-aware cut is covered by
     # tests/test_retrieval.py, tests/test_graft.py and the Ray tests
     result = run_bench(cfg, smol_fp32, questions, {"retrieval": {"budget": 16, "cost_aware": False}})

@@ -238,7 +238,7 @@ def test_resources_the_cluster_lacks_fail_fast(ray_local, tiny_model_dir):  # no
 
 @pytest.mark.slow
 def test_smollm2_two_shards_equal_single_process(ray_local):  # noqa: F811
-    """Real weights: 2 shards over Ray reproduce the in-process engine (fp32, 2 prompts, 24 tokens),
+    """Real weights: 2 shards over Ray reproduce the in-process engine (fp32, 2 prompts, 16 tokens),
     for the retrieval drafter and the trained EAGLE-3 and SpecBlock checkpoints."""
     from speculation import assets
     from speculation.target import TargetModel
@@ -248,7 +248,7 @@ def test_smollm2_two_shards_equal_single_process(ray_local):  # noqa: F811
     specs = resolve_methods(["retrieval", "eagle3", "specblock"], {"retrieval": {"cost_aware": False},
                                                                    "eagle3": {"total_tokens": 24},
                                                                    "specblock": {"total_tokens": 24}})
-    engine = EngineConfig(max_new_tokens=24)
+    engine = EngineConfig(max_new_tokens=16)
     prompts = [
         "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry.",
         "Write a Python function that returns the sum of a list of numbers.",
