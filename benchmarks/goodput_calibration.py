@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no step had every sequence live; raise --max-new-tokens", file=sys.stderr)
         return 1
     out = {
+        "kind": "goodput_calibration",
         "command": " ".join(["benchmarks/goodput_calibration.py", *(argv if argv is not None else sys.argv[1:])]),
         "environment": environment(),
         "model": args.model, "dtype": args.dtype, "method": args.method, "sequences": args.sequences,

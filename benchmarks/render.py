@@ -34,6 +34,8 @@ SECTIONS: dict[str, str] = {
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
     "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
+    "goodput_calibration_n16_fp32": "Goodput rule: predicted against measured step seconds, side by side with batched vanilla (N = 16, fp32)",
+    "cost_correction_fp32": "Solo cost-aware retrieval: a c(T) measured on a busy host, frozen against corrected online (fp32)",
 }
 
 HEADER = """# Benchmarks
@@ -81,7 +83,7 @@ def _command(res: dict, path: Path) -> str:
 
 
 def _env_line(res: dict) -> str:
-    env = res.get("env", {})
+    env = res.get("env") or res.get("environment") or {}
     return (
         f"Date {env.get('date', '?')}; machine: {env.get('cpu', '?')} ({env.get('cpu_count', '?')} cores, "
         f"{env.get('torch_threads', '?')} torch threads); torch {env.get('torch', '?')}, transformers "
@@ -172,6 +174,40 @@ def render_serve_load(res: dict) -> list[str]:
                      f"{_ms(off['itl_p50_s'])} / {_ms(off['itl_p99_s'])} | – | {_f(off.get('tau'))} |")
         lines += ["", f"Serving throughput / offline throughput: **{_f(res['serving_over_offline'], 2)}** "
                       f"(target ≥ 0.80)."]
+    return lines
+
+
+def render_goodput_calibration(res: dict) -> list[str]:
+    """The goodput rule's steps against batched vanilla's on the same prompts (all-live steps only)."""
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}` with `goodput: true`, "
+             f"{res['sequences']} Spec-Bench prompts together, {res['max_new_tokens']} new tokens each, greedy.", "",
+             "| run | all-live steps | tokens | seconds | tok/s | steps drafted | steps probed | median step ms "
+             "| median forward ms | median predicted forward ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in ("speculative", "vanilla"):
+        t, m = res[f"{run}_total"], res[f"{run}_median"]
+        pred = m.get("predicted_forward_s")
+        lines.append(f"| {res['method'] if run == 'speculative' else 'batched vanilla'} | {t['steps']} | {t['tokens']} | "
+                     f"{_f(t['seconds'])} | {_f(t['tokens_per_s'], 1)} | {t['steps_drafted']} | {t['steps_probed']} | "
+                     f"{_ms(m['step_s'])} | {_ms(m['forward_s'])} | {_ms(pred)} |")
+    lines += ["", f"Median step seconds, vanilla / speculative: **{_f(res['median_step_ratio'], 2)}**."]
+    return lines
+
+
+def render_cost_correction(res: dict) -> list[str]:
+    """Solo retrieval on a clean c(T), on a disturbed one used as given, and on the disturbed one corrected online."""
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['prompts']} Spec-Bench first turns, "
+             f"{res['max_new_tokens']} new tokens, greedy, one request at a time, arms interleaved per prompt; "
+             f"the disturbed curve was measured with {res['burners']} busy-loop processes on the cores.", "",
+             "| arm | tok/s | speedup | tau | tree tokens | lossless |", "|---|---|---|---|---|---|"]
+    for arm, m in res["arms"].items():
+        lines.append(f"| {arm} | {_f(m['tokens_per_s'], 1)} | {_f(m['speedup'], 2, '×')} | {_f(m['tau'])} | "
+                     f"{_f(m['mean_tree_tokens'], 1)} | {_f(m['lossless'])} |")
+    curves = res["curves_s"]
+    sizes = sorted({int(k) for c in curves.values() for k in c}, key=int)
+    lines += ["", "c(T) in ms at the 256-token reference context (measured, and after the run's corrections):", "",
+              "| curve | " + " | ".join(f"T={n}" for n in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for name, c in curves.items():
+        lines.append(f"| {name} | " + " | ".join(_ms(c.get(str(n))) for n in sizes) + " |")
     return lines
 
 
@@ -274,6 +310,10 @@ def main() -> int:
             out += render_grad_terms(res)
         elif kind == "serve_load":
             out += render_serve_load(res)
+        elif kind == "cost_correction":
+            out += render_cost_correction(res)
+        elif kind == "goodput_calibration" or "speculative_total" in res:
+            out += render_goodput_calibration(res)
         elif "methods" in res:
             out += render_bench(res)
             if any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values()):

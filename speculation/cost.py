@@ -22,6 +22,8 @@ timed call is bracketed by ``torch.cuda.synchronize``, so c(T, L) is device time
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import math
 import statistics
 import time
 import weakref
@@ -65,12 +67,16 @@ class VerifyCostModel:
         contexts: increasing committed-context lengths L of the rows of ``grid`` (empty = c does
             not depend on L: ``seconds`` is used at every length).
         grid: ``[len(contexts)][len(sizes)]`` seconds of c(T, L).
+        measured: timed on the target by :func:`measure_cost_model`. Only a measured curve is
+            corrected online by the drafters that read it (:func:`online`); a curve given by
+            hand is a statement of prices and is used as given.
     """
 
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
     contexts: tuple[int, ...] = ()
     grid: tuple[tuple[float, ...], ...] = ()
+    measured: bool = False
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.seconds) or not self.sizes:
@@ -113,14 +119,113 @@ class VerifyCostModel:
 
     def best_prefix(self, path_probs: Sequence[float], drafting_s: float = 0.0, context: int | None = None) -> int:
         """The n maximising ``(1 + sum(path_probs[:n])) / (c(n + 1, context) + drafting_s)``."""
-        best_n, best_rate = 0, 1.0 / (self.cost(1, context) + drafting_s)
-        acc = 1.0
-        for n, p in enumerate(path_probs, start=1):
-            acc += p
-            rate = acc / (self.cost(n + 1, context) + drafting_s)
-            if rate > best_rate:
-                best_n, best_rate = n, rate
-        return best_n
+        return best_prefix(self, path_probs, drafting_s, context)
+
+
+@runtime_checkable
+class VerifyCost(Protocol):
+    """c(T, L) as the drafters read it: a measured curve, or one corrected online."""
+
+    def cost(self, size: int, context: int | None = None) -> float: ...
+
+    def best_prefix(self, path_probs: Sequence[float], drafting_s: float = 0.0,
+                    context: int | None = None) -> int: ...
+
+
+def best_prefix(cost: VerifyCost, path_probs: Sequence[float], drafting_s: float = 0.0,
+                context: int | None = None) -> int:
+    """The n maximising ``rate(n) = (1 + sum(path_probs[:n])) / (c(n + 1, context) + drafting_s)``
+    (module docstring); ``path_probs`` best-first, so every prefix is a valid tree."""
+    best_n, best_rate = 0, 1.0 / (cost.cost(1, context) + drafting_s)
+    acc = 1.0
+    for n, p in enumerate(path_probs, start=1):
+        acc += p
+        rate = acc / (cost.cost(n + 1, context) + drafting_s)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n
+
+
+class OnlineCostModel:
+    """c(T, L) = base(T, L) * f(T): the start-up measurement, corrected by the verify steps it prices.
+
+    ``base`` is measured once (:func:`measure_cost_model`), on random tokens, in a few seconds. If
+    the host was busy or drifted then, the curve is wrong for the whole run, in scale and in shape:
+    a curve read flat makes large trees look cheap (a solo retrieval run measured while another
+    process shared the two cores averaged 13 tree tokens against 2.9 and ran below vanilla).
+    f corrects it: one factor ``f_j`` per measured size ``s_j``, f piecewise linear between them
+    (the last factor beyond the largest). A live step that verified T tokens at context L in
+    ``seconds`` gives the ratio ``r = seconds / base(T, L)`` (clipped to [1/4, 4]), and every factor
+    moves toward it, by a weight that halves per octave of distance from T::
+
+        w_j = 2 ** -|log2 s_j - log2 T|
+        f_j <- f_j + (1 - decay) * w_j * (r - f_j)
+
+    The rule verifies only the few sizes it currently favours; the weights carry what those steps
+    show to the sizes around them, so a size it never picks is still repriced by its neighbours
+    (and picked once they make it pay). Factors start at 1 (trust the measurement).
+    """
+
+    LOW, HIGH = 0.25, 4.0
+
+    def __init__(self, base: VerifyCostModel, decay: float = 0.9) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"OnlineCostModel decay must be in [0, 1), got {decay}")
+        self.base = base
+        self.decay = decay
+        self.factors = [1.0] * len(base.sizes)
+        self.observed = 0
+        """Verify steps observed so far."""
+
+    def factor(self, size: int) -> float:
+        """f(size): piecewise linear through the per-size factors (flat beyond the ends)."""
+        return interp(self.base.sizes, self.factors, size, extrapolate=False)
+
+    def cost(self, size: int, context: int | None = None) -> float:
+        """Corrected c(size, context) = base(size, context) * f(size)."""
+        return self.base.cost(size, context) * self.factor(size)
+
+    def best_prefix(self, path_probs: Sequence[float], drafting_s: float = 0.0, context: int | None = None) -> int:
+        """:func:`best_prefix` on the corrected curve."""
+        return best_prefix(self, path_probs, drafting_s, context)
+
+    def observe(self, size: int, context: int | None, seconds: float) -> None:
+        """One live verify of ``size`` tokens (root included) at ``context`` that took ``seconds``."""
+        predicted = self.base.cost(size, context)
+        if size < 1 or seconds <= 0 or predicted <= 0:
+            return
+        r = min(self.HIGH, max(self.LOW, seconds / predicted))
+        step, at = 1.0 - self.decay, math.log2(size)
+        for j, s in enumerate(self.base.sizes):
+            w = 2.0 ** -abs(math.log2(s) - at)
+            self.factors[j] += step * w * (r - self.factors[j])
+        self.observed += 1
+
+    # The measured model's fields, corrected, so reports read the curve the rule uses.
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.base.sizes
+
+    @property
+    def seconds(self) -> tuple[float, ...]:
+        return tuple(s * f for s, f in zip(self.base.seconds, self.factors))
+
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        return self.base.contexts
+
+    @property
+    def grid(self) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(s * f for s, f in zip(row, self.factors)) for row in self.base.grid)
+
+
+def online(cost: VerifyCost | None) -> VerifyCost | None:
+    """The curve a drafter should hold: a measured :class:`VerifyCostModel` wrapped in an
+    :class:`OnlineCostModel`; anything else (None, a curve given by hand, or one already
+    corrected online, so that drafters sharing a curve share its corrections) as it is."""
+    if isinstance(cost, VerifyCostModel) and cost.measured:
+        return OnlineCostModel(cost)
+    return cost
 
 
 class RankAcceptance:
@@ -162,7 +267,7 @@ class RankAcceptance:
                 self.accepted[r] = self.decay * self.accepted[r] + float(ok)
                 self.verified[r] = self.decay * self.verified[r] + 1.0
 
-    def best_size(self, cost_model: VerifyCostModel, cap: int, drafting_s: float = 0.0,
+    def best_size(self, cost_model: VerifyCost, cap: int, drafting_s: float = 0.0,
                   context: int | None = None) -> int:
         """``argmax_T (1 + sum_{r < T-1} a_r) / (c(T, context) + drafting_s)`` over T in [2, cap]."""
         return max(2, 1 + cost_model.best_prefix(self.rates[: cap - 1], drafting_s, context))
@@ -281,4 +386,5 @@ def measure_cost_model(
         if todo:
             for s, sec in measure_at_context(target, todo, ctx, repeats=repeats).items():
                 cached[(ctx, s)] = sec
-    return VerifyCostModel.from_grid({c: {s: cached[(c, s)] for s in sizes} for c in fitting})
+    model = VerifyCostModel.from_grid({c: {s: cached[(c, s)] for s in sizes} for c in fitting})
+    return dataclasses.replace(model, measured=True)

@@ -31,7 +31,15 @@ import torch
 
 from speculation import verify as V
 from speculation.config import BatchConfig, EngineConfig, SamplingConfig
-from speculation.drafters.base import DraftContext, Drafter, Proposal, SkippableDrafter, StepOutcome, propose_many
+from speculation.drafters.base import (
+    DraftContext,
+    Drafter,
+    Proposal,
+    SkippableDrafter,
+    StepOutcome,
+    VerifyTimed,
+    propose_many,
+)
 from speculation.cost import RankAcceptance
 from speculation.goodput import (
     DEFAULT_BATCH_CONTEXTS,
@@ -307,6 +315,7 @@ def _run_solo(
     _validate_prompt(target, prompt_ids, cfg)
     stop = target.eos_token_ids if cfg.stop_at_eos else frozenset()
     seq = _Sequence(list(prompt_ids), cfg.max_new_tokens, cfg.sampling, stop, drafter, feedback)
+    timed = drafter if isinstance(drafter, VerifyTimed) else None  # its c(T) learns from each verify
     state, logits, prompt_aux = target.prefill(prompt_ids, need_aux=seq.needs_aux)
     try:
         seq.start(logits, prompt_aux)
@@ -320,7 +329,10 @@ def _run_solo(
             else:
                 fwd = target.verify(state, tree, need_aux=seq.needs_aux)
                 commit = functools.partial(target.commit, state)
-            seq.settle(tree, fwd, commit, proposal, draft_s, time.perf_counter() - tb)
+            context = len(seq.ctx.tokens)
+            _, rec = seq.settle(tree, fwd, commit, proposal, draft_s, time.perf_counter() - tb)
+            if timed is not None:
+                timed.observe_verify(len(tree), context, rec.verify_s)
     finally:
         target.release(state)
     res = seq.result()

@@ -178,3 +178,33 @@ def test_bench_records_the_report_of_reportable_drafters_only():
     assert out["methods"]["reporting"]["drafter_report"] == {"budget_rule": "fixed", "budget": 8}
     assert "drafter_report" not in out["methods"]["plain"]
     assert out["methods"]["reporting"]["lossless"] is True
+
+
+def test_the_solo_loop_prices_every_verify_into_a_measured_curve():
+    """Each solo step reports (tree size, context, verify seconds) to a drafter whose c(T) was
+    measured, and the corrected curve is what the next tree is cut by; output stays exact."""
+    import dataclasses
+
+    from speculation.cost import OnlineCostModel
+
+    model = _model()
+    target = tiny_target(model)
+    measured = dataclasses.replace(VerifyCostModel.from_curve({1: 1.0, 4: 1.1, 8: 1.6, 25: 4.0}), measured=True)
+    drafter = RetrievalDrafter(RetrievalConfig(), VOCAB, measured)
+    assert isinstance(drafter.cost_model, OnlineCostModel)
+    seen: list[tuple[int, int, float]] = []
+    observe = drafter.cost_model.observe
+    drafter.cost_model.observe = lambda size, ctx, sec: (seen.append((size, ctx, sec)), observe(size, ctx, sec))
+    prompt = PROMPTS[2]
+    res = generate_speculative(target, drafter, prompt, greedy_cfg())
+    assert res.tokens == generate_vanilla(target, prompt, greedy_cfg()).tokens
+    assert [s for s, _, _ in seen] == [s.tree_size for s in res.steps]
+    assert [sec for _, _, sec in seen] == [s.verify_s for s in res.steps]
+    committed = len(prompt) + 1  # prefill token
+    for (_, ctx, _), step in zip(seen, res.steps):
+        assert ctx == committed
+        committed += step.tokens_gained
+    # Live steps on the tiny model take milliseconds against a curve in seconds: every ratio is
+    # clipped to 1/4 and the sizes the loop verified were corrected toward it.
+    assert drafter.cost_model.observed == len(res.steps)
+    assert min(drafter.cost_model.factors) < 1.0

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from speculation.config import ConfigError, RetrievalConfig
-from speculation.cost import VerifyCostModel
+from speculation.cost import OnlineCostModel, VerifyCostModel, online
 from speculation.drafters.base import DraftContext, StepOutcome
 from speculation.drafters.retrieval import RetrievalDrafter, SuffixArrayDatastore, SuffixIndex, TransitionTable
 from speculation.tree import DraftTree, NodeSource
@@ -177,6 +179,44 @@ def test_cost_model_best_prefix_follows_the_marginal_rule():
     steep = VerifyCostModel.from_curve({1: 0.05, 2: 0.1, 64: 0.2})
     assert steep.best_prefix([0.3, 0.2]) == 0  # 1.5 tokens for 2x the cost: don't speculate
     assert steep.best_prefix([0.9, 0.8, 0.7]) == 3
+
+
+def test_online_cost_model_moves_every_size_toward_live_steps_by_octave_distance():
+    """f_j <- f_j + (1 - decay) 2^-|log2 s_j - log2 T| (r - f_j), ratios clipped to [1/4, 4]."""
+    base = VerifyCostModel((1, 2, 4), (0.1, 0.1, 0.1), measured=True)  # read flat: a busy host
+    m = OnlineCostModel(base, decay=0.5)
+    m.observe(2, None, 0.3)  # r = 3; weights 1/2, 1, 1/2
+    assert m.factors == pytest.approx([1.5, 2.0, 1.5])
+    m.observe(4, None, 10.0)  # r = 100, clipped to 4; weights 1/4, 1/2, 1
+    assert m.factors == pytest.approx([1.8125, 2.5, 2.75])
+    assert m.cost(3) == pytest.approx(0.1 * (2.5 + 2.75) / 2)  # f linear between measured sizes
+    assert m.cost(40) == pytest.approx(0.1 * 2.75)  # flat beyond the largest measured size
+    assert m.observed == 2 and m.seconds == pytest.approx((0.18125, 0.25, 0.275))
+
+
+def test_online_correction_shrinks_trees_a_flat_measurement_made_too_large():
+    """A curve measured flat prices 16 drafts as free; once live steps show a 17-token verify
+    costing 3x a 1-token one, the same probabilities buy a shorter tree."""
+    base = VerifyCostModel((1, 17), (0.1, 0.1), measured=True)
+    m = OnlineCostModel(base, decay=0.5)
+    probs = [0.6, 0.3] + [0.05] * 14
+    assert m.best_prefix(probs) == 16
+    for _ in range(8):
+        m.observe(1, None, 0.1)
+        m.observe(17, None, 0.3)
+    assert m.cost(17) / m.cost(1) > 2.4
+    assert m.best_prefix(probs) < 16
+
+
+def test_only_a_measured_curve_is_corrected_online():
+    given = VerifyCostModel.from_curve({1: 0.1, 8: 0.2})
+    assert online(given) is given and online(None) is None
+    measured = dataclasses.replace(given, measured=True)
+    wrapped = online(measured)
+    assert isinstance(wrapped, OnlineCostModel) and wrapped.base is measured
+    assert online(wrapped) is wrapped  # drafters sharing a curve share its corrections
+    with pytest.raises(ValueError, match="decay"):
+        OnlineCostModel(measured, decay=1.0)
 
 
 def test_cost_model_rejects_bad_curves():

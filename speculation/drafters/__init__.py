@@ -24,7 +24,7 @@ from speculation.config import (
     from_dict,
     to_dict,
 )
-from speculation.cost import VerifyCostModel, measure_cost_model
+from speculation.cost import VerifyCost, measure_cost_model
 from speculation.drafters.base import DraftContext, Drafter, Proposal, Reportable, StepOutcome, WeightSwappable
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.graft import build_graft_drafter
@@ -60,11 +60,11 @@ BUILTIN_VARIANTS: dict[str, Mapping[str, Any]] = {
 }
 """Method names usable without ``--config``: a type plus options (a config section overrides them)."""
 
-DrafterBuilder = Callable[[Any, Any, VerifyCostModel | None], Drafter]
+DrafterBuilder = Callable[[Any, Any, VerifyCost | None], Drafter]
 """``build(config, target, cost_model) -> drafter``: every drafter type's builder."""
 
 
-def build_retrieval_drafter(config: RetrievalConfig, target: Any, cost_model: VerifyCostModel | None) -> RetrievalDrafter:
+def build_retrieval_drafter(config: RetrievalConfig, target: Any, cost_model: VerifyCost | None) -> RetrievalDrafter:
     """A :class:`RetrievalDrafter` for ``target`` (reads only ``target.vocab_size``)."""
     return RetrievalDrafter(config, target.vocab_size, cost_model)
 
@@ -124,7 +124,7 @@ def resolve_methods(names: list[str], configs: Mapping[str, Mapping[str, Any]] |
     return specs
 
 
-def build_drafter(spec: MethodSpec, target: Any, cost_model: VerifyCostModel | None = None) -> Drafter | None:
+def build_drafter(spec: MethodSpec, target: Any, cost_model: VerifyCost | None = None) -> Drafter | None:
     """A fresh drafter for ``spec`` (None for vanilla).
 
     A drafter whose config needs a measured verify curve (``config.verify_curve_size() > 0``)

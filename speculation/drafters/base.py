@@ -124,6 +124,20 @@ class SkippableDrafter(Drafter, Protocol):
 
 
 @runtime_checkable
+class VerifyTimed(Protocol):
+    """A drafter that sizes its trees by a verify-cost curve and corrects that curve from live steps.
+
+    The solo loop, which runs one verify per step, reports each step's measured verify seconds
+    (:class:`~speculation.cost.OnlineCostModel`). The batch engine does not: a batched forward's
+    seconds are not c(T) of one tree, and its goodput rule keeps its own correction."""
+
+    def observe_verify(self, size: int, context: int, seconds: float) -> None:
+        """One verify of ``size`` tokens (root included) over ``context`` committed tokens took
+        ``seconds`` (forward, acceptance and KV commit: what c(T) measures)."""
+        ...
+
+
+@runtime_checkable
 class Reportable(Protocol):
     """A drafter that explains its own decisions (e.g. Graft's chosen dense budget and why)."""
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from speculation.config import Eagle3Config
-from speculation.cost import VerifyCostModel
+from speculation.cost import VerifyCost
 from speculation.drafters.base import StopRule
 from speculation.drafters.checkpoint import CHECKPOINT_ROOT, EAGLE3, load_for_target
 from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
@@ -198,7 +198,7 @@ def random_model(target: Any, draft_vocab_size: int, seed: int = 0) -> Eagle3Mod
 
 
 def build_eagle3_drafter(
-    config: Eagle3Config, target: Any, cost_model: VerifyCostModel | None = None
+    config: Eagle3Config, target: Any, cost_model: VerifyCost | None = None
 ) -> Eagle3Drafter:
     """An :class:`Eagle3Drafter` for an in-process target (a :class:`TargetModel`).
 

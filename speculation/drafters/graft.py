@@ -66,7 +66,7 @@ from typing import Any, cast
 import torch
 
 from speculation.config import ConfigError, GraftConfig
-from speculation.cost import RankAcceptance, VerifyCostModel, measure_cost_model
+from speculation.cost import OnlineCostModel, RankAcceptance, VerifyCost, measure_cost_model, online
 from speculation.drafters.base import (
     DraftContext,
     DraftResult,
@@ -82,7 +82,7 @@ from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import build_specblock_drafter
 from speculation.tree import ROOT, DraftTree, NodeSource
 
-TREE_BUILDERS: dict[str, Callable[[Any, Any, VerifyCostModel | None], StagedDrafter]] = {
+TREE_BUILDERS: dict[str, Callable[[Any, Any, VerifyCost | None], StagedDrafter]] = {
     "eagle3": build_eagle3_drafter,
     "specblock": build_specblock_drafter,
 }
@@ -313,7 +313,7 @@ class GraftDrafter:
     needs_aux = True
 
     def __init__(self, config: GraftConfig, drafter: StagedDrafter | None, retrieval: RetrievalDrafter,
-                 cost_model: VerifyCostModel | None = None) -> None:
+                 cost_model: VerifyCost | None = None) -> None:
         if drafter is None and config.max_stage > 0:
             raise ValueError(f"graft.stages {list(config.stages)} need a tree drafter (only [0] runs without one)")
         if drafter is not None and not isinstance(drafter, StagedDrafter):
@@ -327,8 +327,9 @@ class GraftDrafter:
         self.drafter = drafter
         self.retrieval = retrieval
         self.target_topk = retrieval.target_topk
-        self.cost_model = cost_model if config.verify_curve_size() else None
-        """The measured c(T, L) (K_max sizing and the gate), else None."""
+        self.cost_model: VerifyCost | None = online(cost_model) if config.verify_curve_size() else None
+        """c(T, L) for K_max sizing, the gate and the cost cut (a measured one corrected by the solo
+        loop's live verify times, :meth:`observe_verify`); else None."""
         self.ranks = RankAcceptance(GraftConfig.AUTO_MAX)
         self.timing = StageTiming()
         self.gate = DrafterGate(config.gate_warmup)
@@ -347,6 +348,11 @@ class GraftDrafter:
         if self.drafter is not None:
             self.drafter.begin(ctx, prompt_aux)
         self._step = None
+
+    def observe_verify(self, size: int, context: int, seconds: float) -> None:
+        """Correct c(T, L) by one live verify (:class:`~speculation.drafters.base.VerifyTimed`)."""
+        if isinstance(self.cost_model, OnlineCostModel):
+            self.cost_model.observe(size, context, seconds)
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
         step = self._step
@@ -502,7 +508,7 @@ class GraftDrafter:
         ``probs[i]``: node i's calibrated probability of being accepted (``probs[0]`` unused). A
         node is never rated above its parent (``p_i <- min(p_i, p_parent)``, parents come first),
         so sorting by ``(-p_i, i)`` puts every parent before its children and each prefix is
-        ancestor-closed; the kept prefix is the n of :meth:`VerifyCostModel.best_prefix`. Returns
+        ancestor-closed; the kept prefix is the n of :func:`~speculation.cost.best_prefix`. Returns
         the cut tree and ``{old node: new node}`` (None when nothing was cut)."""
         if self.cost_model is None or not self.config.cost_cut or len(tree) <= 1:
             return tree, None
@@ -584,6 +590,10 @@ class GraftDrafter:
             if self.cost_model.contexts:
                 out["verify_grid_s"] = {c: dict(zip(self.cost_model.sizes, row))
                                         for c, row in zip(self.cost_model.contexts, self.cost_model.grid)}
+            if isinstance(self.cost_model, OnlineCostModel):  # verify_curve_s above is the corrected curve
+                base = self.cost_model.base
+                out["verify_curve_measured_s"] = dict(zip(base.sizes, base.seconds))
+                out["verify_steps_observed"] = self.cost_model.observed
             if self.config.dense_budget == GraftConfig.AUTO:
                 k = self.dense_budget()
                 d = self.timing.expected()
@@ -605,7 +615,7 @@ class GraftDrafter:
 
 
 def build_graft_drafter(
-    config: GraftConfig, target: Any, cost_model: VerifyCostModel | None = None
+    config: GraftConfig, target: Any, cost_model: VerifyCost | None = None
 ) -> GraftDrafter:
     """A :class:`GraftDrafter` for an in-process target: the tree drafter of ``config.tree_type``
     (built from ``config.tree``; none when the only stage is 0) + the retrieval source.
@@ -614,6 +624,7 @@ def build_graft_drafter(
     size = config.verify_curve_size()
     if size and cost_model is None:
         cost_model = measure_cost_model(target, max_size=size)
+    cost_model = online(cost_model)  # one corrected curve, shared by every part that reads it
     drafter = None
     if config.max_stage > 0:
         drafter = TREE_BUILDERS[config.tree_type](config.tree, target, cost_model)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from speculation.config import ConfigError, RetrievalConfig
-from speculation.cost import VerifyCostModel
+from speculation.cost import OnlineCostModel, VerifyCost, online
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome
 from speculation.tree import DraftTree, NodeSource
 
@@ -314,15 +314,16 @@ class RetrievalDrafter:
     name = "retrieval"
     needs_aux = False
 
-    def __init__(self, config: RetrievalConfig, vocab_size: int, cost_model: VerifyCostModel | None = None) -> None:
+    def __init__(self, config: RetrievalConfig, vocab_size: int, cost_model: VerifyCost | None = None) -> None:
         if config.cost_aware and cost_model is None:
             raise ConfigError(
                 "retrieval.cost_aware is true but no verify-cost model c(T) was given: build the drafter with "
                 "speculation.drafters.build_drafter (it measures c(T) on the target), or set cost_aware: false"
             )
         self.config = config
-        self.cost_model: VerifyCostModel | None = cost_model if config.cost_aware else None
-        """The measured c(T) each tree is cut by (None when ``cost_aware`` is false)."""
+        self.cost_model: VerifyCost | None = online(cost_model) if config.cost_aware else None
+        """The c(T) each tree is cut by (a measured one corrected by the solo loop's live verify times,
+        :meth:`observe_verify`); None when ``cost_aware`` is false."""
         self.target_topk = config.transition_topk
         self.table = TransitionTable(vocab_size, config.transition_topk) if config.transition_topk else None
         self.datastore = (
@@ -356,6 +357,11 @@ class RetrievalDrafter:
             if n < len(tree) - 1:
                 tree = tree.subtree(range(n + 1))
         return Proposal(tree=tree, drafter_forwards=0)
+
+    def observe_verify(self, size: int, context: int, seconds: float) -> None:
+        """Correct c(T) by one live verify (:class:`~speculation.drafters.base.VerifyTimed`)."""
+        if isinstance(self.cost_model, OnlineCostModel):
+            self.cost_model.observe(size, context, seconds)
 
     def skip(self, ctx: DraftContext) -> None:
         """Sit out a step (:class:`~speculation.drafters.base.SkippableDrafter`): nothing was

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from speculation.config import SpecBlockConfig
-from speculation.cost import VerifyCostModel
+from speculation.cost import VerifyCost
 from speculation.drafters.base import Proposal, StopRule
 from speculation.drafters.checkpoint import SPECBLOCK, load_for_target
 from speculation.drafters.candidate_pool import CandidatePool
@@ -376,7 +376,7 @@ def random_model(target: Any, config: SpecBlockConfig) -> SpecBlockModel:
 
 
 def build_specblock_drafter(
-    config: SpecBlockConfig, target: Any, cost_model: VerifyCostModel | None = None
+    config: SpecBlockConfig, target: Any, cost_model: VerifyCost | None = None
 ) -> SpecBlockDrafter:
     """A :class:`SpecBlockDrafter` for an in-process target (a :class:`TargetModel`).
 
