@@ -34,6 +34,8 @@ SECTIONS: dict[str, str] = {
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
     "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
+    "serve_load_threads_1": "Serving: replica torch threads, 1 (80 requests; pair of the next table)",
+    "serve_load_threads_2": "Serving: replica torch threads, 2 (80 requests; pair of the previous table)",
     "goodput_calibration_n16_fp32": "Goodput rule: predicted against measured step seconds, side by side with batched vanilla (N = 16, fp32)",
     "cost_correction_fp32": "Solo cost-aware retrieval: a c(T) measured on a busy host, frozen against corrected online (fp32)",
 }
@@ -161,7 +163,9 @@ def render_serve_load(res: dict) -> list[str]:
     srv = res.get("server", {})
     lines = [f"Server: model **{srv.get('model', res.get('model'))}**, dtype **{srv.get('dtype', '?')}**, method "
              f"`{srv.get('method', '?')}`, {srv.get('max_sequences', '?')} sequences per step; {res['clients']} "
-             f"closed-loop streaming clients, greedy, {res['max_tokens']} max tokens, dataset `{res['dataset']}`.", "",
+             f"closed-loop streaming clients, greedy, {res['max_tokens']} max tokens, dataset `{res['dataset']}`; "
+             f"torch threads: replica {res.get('server_torch_threads', '?')}, offline "
+             f"{(res.get('offline') or {}).get('torch_threads', '?')}.", "",
              "| run | requests | errors | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT ms | tau |",
              "|---|---|---|---|---|---|---|---|",
              f"| serving | {res['requests_done']} | {res['errors']} | {_f(res['output_tokens_per_s'], 1)} | "

@@ -16,9 +16,10 @@ until ``--seconds`` pass or ``--max-requests`` were sent (both bound the run). R
   bring several tokens in one chunk);
 * ``tpot_mean_s``: per request (last - first content chunk) / (completion tokens - 1), averaged;
 * ``tau_mean``: the server's ``graftblock.tau`` averaged over requests; ``errors`` with messages;
+* ``server_torch_threads``: the replica's torch threads (``GET /health``);
 * with ``--offline-baseline``: ``offline`` (the in-process batched engine on the server's config at
-  the same concurrency, after the server stopped) and ``serving_over_offline`` (the ratio of the two
-  throughputs: 1 − it is the serving overhead).
+  the same concurrency and torch threads, after the server stopped) and ``serving_over_offline``
+  (the ratio of the two throughputs: 1 − it is the serving overhead).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ async def run_load(args, prompts: list[str]) -> dict:
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key or "none", max_retries=0,
                                 timeout=args.request_timeout)
     model = args.model or (await client.models.list()).data[0].id
+    health = await _health(args)
     stats = Stats()
     sent = 0
     deadline = time.perf_counter() + args.seconds
@@ -121,17 +123,42 @@ async def run_load(args, prompts: list[str]) -> dict:
         "itl_p50_s": _pct(stats.itl, 50), "itl_p99_s": _pct(stats.itl, 99),
         "tpot_mean_s": statistics.fmean(stats.tpot) if stats.tpot else None,
         "tau_mean": statistics.fmean(stats.tau) if stats.tau else None,
+        "server_torch_threads": health.get("torch_threads"),
     }
 
 
-def offline_baseline(serve_config: str, dataset: str, n_prompts: int, clients: int, max_tokens: int) -> dict:
+async def _health(args) -> dict:
+    """The server's ``GET /health`` body (``{}`` if it has none): it reports the replica's torch threads."""
+    import urllib.error
+    import urllib.request
+
+    root = args.base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    def get() -> dict:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{root}/health", headers=headers), timeout=30) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, ValueError):
+            return {}
+
+    return await asyncio.to_thread(get)
+
+
+def offline_baseline(serve_config: str, dataset: str, n_prompts: int, clients: int, max_tokens: int,
+                     torch_threads: int | None = None) -> dict:
     """The offline batched engine on the server's own config, at ``clients`` concurrent sequences.
 
     Same model, dtype, method and batch options as the server (read from ``serve_config``), the
     same first ``n_prompts`` first turns, greedy, ``max_tokens`` each; closed-loop clients over
     :class:`~speculation.engine.BatchEngine` in this process (``run_concurrency``). It runs after
-    the server has stopped, so the two never share the cores.
+    the server has stopped, so the two never share the cores. ``torch_threads``: the replica's
+    (``GET /health``), so both runs compute with the same number of threads.
     """
+    import torch
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     from cluster.serve_config import load_serve_config
     from speculation import assets
     from speculation.bench.runner import run_concurrency
@@ -240,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     result["env"] = environment()
     if args.offline_baseline:
         off = offline_baseline(args.serve_config, args.dataset, result["requests_done"], args.clients,
-                               args.max_tokens)
+                               args.max_tokens, result.get("server_torch_threads"))
+        import torch
+
+        off["torch_threads"] = torch.get_num_threads()
         result["offline"] = off
         result["serving_over_offline"] = result["output_tokens_per_s"] / off["tokens_per_s"]
     text = json.dumps(result, indent=1)

@@ -44,6 +44,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -471,7 +472,8 @@ class OpenAIService:
     def health(self) -> tuple[int, dict]:
         """``(HTTP status, body)``: 200 while the engine runs and is not stalled, else 503."""
         body = {"status": self.engine.state.value, "model": self.config.model_name, "method": self.method,
-                "live_requests": self.engine.live, "engine_steps": self.engine.steps}
+                "live_requests": self.engine.live, "engine_steps": self.engine.steps,
+                "torch_threads": torch.get_num_threads()}
         if self.learner is not None:
             body["learner"] = self.learner.status()
         if self.drafter_supervisor is not None:

@@ -192,7 +192,9 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     """On shutdown, seconds in-flight requests get to finish before they are aborted. Range (0, 3600]."""
     torch_threads: int | None = None
-    """torch intra-op threads in each replica (None = torch's default). Range [1, 256]."""
+    """torch intra-op threads in each replica. None keeps torch's default, which inside a Ray actor is
+    Ray's ``OMP_NUM_THREADS``: the replica's CPU reservation (``replica_resources.CPU``, rounded
+    down, at least 1), not the node's cores. Range [1, 256]."""
     num_replicas: int = 1
     """Ray Serve replicas, each with its own engine. Range [1, 1024]."""
     replica_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})

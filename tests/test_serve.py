@@ -179,6 +179,7 @@ def test_models_health_and_auth(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     h = requests.get(server.base + "/health", timeout=30)
     assert h.status_code == 200 and h.json()["status"] == "running" and h.json()["method"] == "retrieval"
+    assert h.json()["torch_threads"] == 1  # serve.torch_threads, applied in the replica
     r = requests.post(server.base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "t9"}, timeout=30)
     assert r.status_code == 401
     assert r.json()["error"]["type"] == "authentication_error"
