@@ -31,6 +31,7 @@ SECTIONS: dict[str, str] = {
     "ray_overhead": "Ray actor path: per-step overhead of sharding",
     "retrieval_scaling": "Retrieval proposal cost against context length",
     "vllm_peers_specbench_bf16": "vLLM as a peer: vanilla, n-gram, our EAGLE-3 head and our retrieval proposer inside vLLM (bf16)",
+    "vllm_peers_specbench_fp32": "vLLM as a peer: vanilla, n-gram, our EAGLE-3 head and our retrieval proposer inside vLLM (fp32)",
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
     "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
