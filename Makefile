@@ -51,7 +51,8 @@ demo: assets
 lint-imports: setup
 	$(VENV)/bin/lint-imports
 
-test: assets lint-imports
+# The vLLM tests are part of the suite: `make vllm` takes under 2 min here, the tests about 75 s.
+test: assets lint-imports vllm
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 $(VLLM_PY):
