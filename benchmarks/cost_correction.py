@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import subprocess
 import sys
 import time
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--burners must be in [1, 16], got {args.burners}")
 
     from speculation import assets
-    from speculation.bench.runner import environment
+    from speculation.bench.runner import emit_json, environment
     from speculation.config import EngineConfig, RetrievalConfig, SamplingConfig
     from speculation.cost import OnlineCostModel
     from speculation.drafters.retrieval import RetrievalDrafter
@@ -131,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                      "clean_after": _curve(drafters["clean"].cost_model),
                      "disturbed_after": _curve(drafters["disturbed_online"].cost_model)},
     }
-    print(json.dumps(out, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+    emit_json(out, args.json)
     return 0
 
 

@@ -38,6 +38,7 @@ SECTIONS: dict[str, str] = {
     "serve_load_threads_1": "Serving: replica torch threads, 1 (80 requests; pair of the next table)",
     "serve_load_threads_2": "Serving: replica torch threads, 2 (80 requests; pair of the previous table)",
     "goodput_calibration_n16_fp32": "Goodput rule: predicted against measured step seconds, side by side with batched vanilla (N = 16, fp32)",
+    "output_head_fp32": "Target output head: nn.Linear against the transposed head, vanilla decoding side by side (fp32)",
     "cost_correction_fp32": "Solo cost-aware retrieval: a c(T) measured on a busy host, frozen against corrected online (fp32)",
 }
 
@@ -216,6 +217,18 @@ def render_cost_correction(res: dict) -> list[str]:
     return lines
 
 
+def render_output_head(res: dict) -> list[str]:
+    """Vanilla decoding with each output head, interleaved prompt by prompt."""
+    shape = res["head_shape"]
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['prompts']} Spec-Bench first turns x "
+             f"{res['repeats']} repeats, {res['max_new_tokens']} new tokens, greedy vanilla; head {shape[0]} x {shape[1]}.",
+             "", "| head | tok/s | head product at M = 1, ms |", "|---|---|---|"]
+    for name, rate in res["tokens_per_s"].items():
+        lines.append(f"| {name} | {_f(rate, 1)} | {_f(res['head_product_s'][name] * 1000, 2)} |")
+    lines += ["", f"Transposed / linear: **{_f(res['ratio'], 3)}×**; identical tokens: {_f(res['identical_tokens'])}."]
+    return lines
+
+
 def render_drafter_details(res: dict) -> list[str]:
     """Per-step drafter statistics (Graft's stages and grafts) and acceptance per depth."""
     rows = [(n, m) for n, m in res["methods"].items() if m.get("acceptance_per_depth")]
@@ -315,6 +328,8 @@ def main() -> int:
             out += render_grad_terms(res)
         elif kind == "serve_load":
             out += render_serve_load(res)
+        elif kind == "output_head":
+            out += render_output_head(res)
         elif kind == "cost_correction":
             out += render_cost_correction(res)
         elif kind == "goodput_calibration" or "speculative_total" in res:

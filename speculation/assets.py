@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
+from speculation.output_head import use_transposed_head
+
 if TYPE_CHECKING:  # pragma: no cover - imported lazily at run time (slow import)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -636,7 +638,9 @@ def model_num_layers(name: str | ModelSource) -> int:
 def load_model(
     name: str | ModelSource, dtype: torch.dtype = torch.float32, layers: range | None = None
 ) -> "PreTrainedModel":
-    """Load a causal LM in eval mode with SDPA attention (see :func:`resolve_model` for ``name``).
+    """Load a causal LM in eval mode with SDPA attention (see :func:`resolve_model` for ``name``),
+    its output head stored transposed for fast decode steps
+    (:func:`~speculation.output_head.use_transposed_head`).
 
     ``layers``: keep only these decoder layers (a pipeline shard's range); the others are
     replaced by empty modules, so kept layers keep their indices and the rest of the weights are
@@ -659,6 +663,8 @@ def load_model(
         for i in range(len(decoder)):
             if i not in layers:
                 decoder[i] = torch.nn.Module()
+    if layers is None or layers.stop == len(model.model.layers):  # the shard (or model) that owns the head
+        use_transposed_head(model)
     return model.eval()
 
 

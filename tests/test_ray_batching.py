@@ -50,11 +50,10 @@ RETRIEVAL = resolve_methods(["retrieval"], {"retrieval": {"cost_aware": False, "
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):  # noqa: F811
-    from transformers import AutoModelForCausalLM
+    """The single-process twin, loaded as the shard actors load it (``assets.load_model``)."""
+    from speculation import assets
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(tiny_model_dir), dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    model = assets.load_model(str(tiny_model_dir), torch.float32)
     model.generation_config.eos_token_id = None
     return tiny_target(model)
 

@@ -9,6 +9,7 @@ with vanilla's turn by turn. Results follow the JSON contract in DESIGN.md.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import subprocess
@@ -32,6 +33,14 @@ BASELINE = "vanilla"
 MethodParts = Callable[[MethodSpec], tuple[TargetBackend[Any], Drafter]]
 """Supplies a method's target backend and a fresh drafter (see :func:`run_bench`); e.g.
 ``cluster.deploy.RayDeployment.method_parts``."""
+
+
+def emit_json(result: dict, path: Path | None) -> None:
+    """Print a benchmark script's result and write it to ``path`` when given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if path is not None:
+        path.write_text(text)
 
 
 def environment() -> dict:
