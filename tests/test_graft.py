@@ -500,11 +500,14 @@ def test_anchored_grafts_are_accepted_beyond_pruned_leaves():
 def test_gate_stops_calling_a_drafter_that_is_never_accepted():
     target = _target()
     d = RecordingDrafter(_oracle_graft(target, 1, PROMPTS, stages=(0, 2, 5), gate_warmup=2))
+    last_steps = set()  # a sequence's final step is never observed (it ended), so it books no warm-up
     for prompt in PROMPTS:
         assert generate_speculative(target, d, prompt, GREEDY).tokens == generate_vanilla(target, prompt, GREEDY).tokens
+        last_steps.add(len(d.proposals) - 1)
     called = [p for p in d.proposals if p.drafter_forwards > 0]
     assert called and all(p.stats["gate_verdict"] == GateVerdict.WARMUP for p in called)  # only while warming up
-    assert len(called) <= 2 * (len(DrafterGate.EDGES) + 1)
+    observed_calls = [i for i, p in enumerate(d.proposals) if p.drafter_forwards > 0 and i not in last_steps]
+    assert len(observed_calls) <= 2 * (len(DrafterGate.EDGES) + 1)  # warm-up: 2 observed calls per bucket
     skipped = [p for p in d.proposals if p.drafter_forwards == 0]
     assert all(p.stats["stage"] == 0.0 and p.stats["gate_verdict"] == GateVerdict.DOES_NOT_PAY for p in skipped)
     assert len(skipped) > 2 * len(called), (len(skipped), len(called))
