@@ -40,14 +40,13 @@ ARMS = ("vanilla", "clean", "disturbed_frozen", "disturbed_online")
 
 def _measure(target, size: int, burners: int):
     """c(T, L) measured now, with ``burners`` busy-loop processes running (0 = none)."""
-    from speculation import cost
+    from speculation.cost import measure_cost_model
 
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
     try:
         if procs:
             time.sleep(1.0)  # let them reach the cores
-        cost._MEASURED.pop(target, None)  # measure afresh, not from this target's cache
-        return cost.measure_cost_model(target, max_size=size)
+        return measure_cost_model(target, max_size=size, fresh=True)
     finally:
         for p in procs:
             p.kill()

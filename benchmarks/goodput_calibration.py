@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "kind": "goodput_calibration",
         "command": " ".join(["benchmarks/goodput_calibration.py", *(argv if argv is not None else sys.argv[1:])]),
-        "environment": environment(),
+        "env": environment(),
         "model": args.model, "dtype": args.dtype, "method": args.method, "sequences": args.sequences,
         "max_new_tokens": args.max_new_tokens, "prompt_tokens": [len(p) for p in prompts],
         "speculative_median": _medians(spec_rows), "vanilla_median": _medians(van_rows),

@@ -87,7 +87,7 @@ def _command(res: dict, path: Path) -> str:
 
 
 def _env_line(res: dict) -> str:
-    env = res.get("env") or res.get("environment") or {}
+    env = res.get("env", {})
     return (
         f"Date {env.get('date', '?')}; machine: {env.get('cpu', '?')} ({env.get('cpu_count', '?')} cores, "
         f"{env.get('torch_threads', '?')} torch threads); torch {env.get('torch', '?')}, transformers "
@@ -332,7 +332,7 @@ def main() -> int:
             out += render_output_head(res)
         elif kind == "cost_correction":
             out += render_cost_correction(res)
-        elif kind == "goodput_calibration" or "speculative_total" in res:
+        elif kind == "goodput_calibration":
             out += render_goodput_calibration(res)
         elif "methods" in res:
             out += render_bench(res)

@@ -174,7 +174,8 @@ def offline_baseline(serve_config: str, dataset: str, n_prompts: int, clients: i
     level = run_concurrency(bench, target, questions, [clients], cfg.methods or None,
                             goodput=bool(cfg.batch.get("goodput", False)))[str(clients)]
     name = cfg.method if cfg.method in level["methods"] else "vanilla"
-    return {"method": name, "n_prompts": len(questions), **level["methods"][name]}
+    return {"method": name, "n_prompts": len(questions), **level["methods"][name],
+            "torch_threads": torch.get_num_threads()}
 
 
 def load_prompts(dataset: str, limit: int) -> list[str]:
@@ -268,9 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.offline_baseline:
         off = offline_baseline(args.serve_config, args.dataset, result["requests_done"], args.clients,
                                args.max_tokens, result.get("server_torch_threads"))
-        import torch
-
-        off["torch_threads"] = torch.get_num_threads()
         result["offline"] = off
         result["serving_over_offline"] = result["output_tokens_per_s"] / off["tokens_per_s"]
     text = json.dumps(result, indent=1)

@@ -174,6 +174,7 @@ class OnlineCostModel:
         self.base = base
         self.decay = decay
         self.factors = [1.0] * len(base.sizes)
+        self._log_sizes = [math.log2(s) for s in base.sizes]
         self.observed = 0
         """Verify steps observed so far."""
 
@@ -196,8 +197,8 @@ class OnlineCostModel:
             return
         r = min(self.HIGH, max(self.LOW, seconds / predicted))
         step, at = 1.0 - self.decay, math.log2(size)
-        for j, s in enumerate(self.base.sizes):
-            w = 2.0 ** -abs(math.log2(s) - at)
+        for j, log_s in enumerate(self._log_sizes):
+            w = 2.0 ** -abs(log_s - at)
             self.factors[j] += step * w * (r - self.factors[j])
         self.observed += 1
 
@@ -367,13 +368,14 @@ def _fits(target: Any, context: int, size: int) -> bool:
 
 
 def measure_cost_model(
-    target: Any, max_size: int, repeats: int = 5, contexts: Sequence[int] = DEFAULT_CONTEXTS
+    target: Any, max_size: int, repeats: int = 5, contexts: Sequence[int] = DEFAULT_CONTEXTS, fresh: bool = False
 ) -> VerifyCostModel:
     """Measure c(T, L) on ``target`` (any target backend) at powers of two up to ``max_size`` and
     at each context length of ``contexts`` that fits the target's window (at least the shortest).
 
     Points already measured on this target are reused, so several drafters built against one
-    target pay for the measurement once.
+    target pay for the measurement once; ``fresh`` measures every point again (and caches the new
+    values).
     """
     sizes = [1]
     while sizes[-1] < max_size:
@@ -382,7 +384,7 @@ def measure_cost_model(
     fitting = [c for c in wanted if _fits(target, c, sizes[-1])] or wanted[:1]
     cached = _MEASURED.setdefault(target, {})
     for ctx in fitting:
-        todo = [s for s in sizes if (ctx, s) not in cached]
+        todo = [s for s in sizes if fresh or (ctx, s) not in cached]
         if todo:
             for s, sec in measure_at_context(target, todo, ctx, repeats=repeats).items():
                 cached[(ctx, s)] = sec

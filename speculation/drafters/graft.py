@@ -624,7 +624,6 @@ def build_graft_drafter(
     size = config.verify_curve_size()
     if size and cost_model is None:
         cost_model = measure_cost_model(target, max_size=size)
-    cost_model = online(cost_model)  # one corrected curve, shared by every part that reads it
     drafter = None
     if config.max_stage > 0:
         drafter = TREE_BUILDERS[config.tree_type](config.tree, target, cost_model)
