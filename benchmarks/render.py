@@ -24,6 +24,9 @@ SECTIONS: dict[str, str] = {
     "foundation_specbench_fp32": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (fp32)",
     "eagle3_graft_specbench_bf16": "EAGLE-3 tree budgets and the Graft ablation (bf16)",
     "graft_specbench_fp32": "Graft ablation (fp32)",
+    "graft_humaneval_fp32": "Graft ablation on HumanEval (fp32)",
+    "graft_asdiv_fp32": "Graft ablation on ASDiv, a dataset not used while building Graft (fp32)",
+    "sweep_graft_heldout_fp32": "Graft over SpecBlock: Optuna sweep on 4 Spec-Bench categories, best configuration on the 9 held out (fp32)",
     "specblock_specbench_bf16": "SpecBlock against EAGLE-3, and its ablations (bf16)",
     "specblock_giveup_bf16": "SpecBlock: the rank head's give-up class stops a branch (widths 2/4/6/0 against 2/4/6/4, bf16)",
     "specblock_grad_terms": "SpecBlock training: per-slot gradient norms with and without the valid-prefix mask",
@@ -217,6 +220,39 @@ def render_cost_correction(res: dict) -> list[str]:
     return lines
 
 
+def render_sweep_heldout(res: dict) -> list[str]:
+    """A sweep's trials, then its best configuration on the sweep's categories and on held-out ones."""
+    b = res["best"]
+    cfg = res["bench_config"]
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}` with fixed "
+             f"`{json.dumps(res['fixed'])}`; study `{res['study']}`, objective {res['objective']}; "
+             f"dataset `{cfg['dataset']}`, {cfg['limit_per_category']} questions per category, "
+             f"{cfg['max_new_tokens']} new tokens, greedy. Sweep categories: {', '.join(res['sweep_categories'])}; "
+             f"held out: {', '.join(res['holdout_categories'])}.", "",
+             "| trial | " + " | ".join(res["knobs"]) + " | speedup | tau | tree | drafting share | status |",
+             "|---|" + "---|" * (len(res["knobs"]) + 5)]
+    for t in res["trials"]:
+        m = t["metrics"]
+        mark = " (best)" if t["trial_number"] == b["trial_number"] else ""
+        lines.append(f"| {t['trial_number']}{mark} | " + " | ".join(_f(t["params"].get(k), 2) if isinstance(t["params"].get(k), float)
+                                                                     else str(t["params"].get(k)) for k in res["knobs"])
+                     + f" | {_f(m.get('speedup'), 2, '×')} | {_f(m.get('tau'))} | {_f(m.get('mean_tree_size'), 1)} | "
+                     f"{_f(m.get('drafting_share'), 3)} | {t['status']} |")
+    lines += ["", f"Best trial {b['trial_number']}, on the sweep's categories and on the held-out ones "
+              "(each against vanilla on the same prompts in the same run):", "",
+              "| prompts | vanilla tok/s | speedup | tau | tree | drafting share | lossless |", "|---|---|---|---|---|---|---|"]
+    for name, key in (("sweep categories", "sweep"), ("held-out categories", "holdout")):
+        m = b[key]
+        lines.append(f"| {name} | {_f(b[f'{key}_vanilla_tokens_per_s'], 1)} | {_f(m.get('speedup'), 2, '×')} | "
+                     f"{_f(m.get('tau'))} | {_f(m.get('mean_tree_size'), 1)} | {_f(m.get('drafting_share'), 3)} | "
+                     f"{_f(b[f'{key}_lossless'])} |")
+    per = {**b["sweep_per_category"], **b["holdout_per_category"]}
+    lines += ["", "Speedup (tau) per category, sweep categories first:", "",
+              "| " + " | ".join(per) + " |", "|" + "---|" * len(per),
+              "| " + " | ".join(f"{_f(v.get('speedup'), 2, '×')} ({_f(v.get('tau'))})" for v in per.values()) + " |"]
+    return lines
+
+
 def render_output_head(res: dict) -> list[str]:
     """Vanilla decoding with each output head, interleaved prompt by prompt."""
     shape = res["head_shape"]
@@ -330,6 +366,8 @@ def main() -> int:
             out += render_serve_load(res)
         elif kind == "output_head":
             out += render_output_head(res)
+        elif kind == "sweep_heldout":
+            out += render_sweep_heldout(res)
         elif kind == "cost_correction":
             out += render_cost_correction(res)
         elif kind == "goodput_calibration":

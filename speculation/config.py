@@ -202,6 +202,16 @@ def _as_graft_option(kind: str, build: Callable[[], T]) -> T:
         raise ConfigError(msg) from None
 
 
+class StageUnit(str, enum.Enum):
+    """What Graft's ``stages`` count."""
+
+    LEVELS = "levels"
+    """Tree levels below the root (the stored form)."""
+    FORWARDS = "forwards"
+    """Tree-drafter forwards: stage s is s * (levels one forward adds) levels, so a sweep can search
+    the stages and SpecBlock's block_size together ([0, 1, 2] is [0, K, 2K] for every K)."""
+
+
 @dataclass(frozen=True)
 class GraftConfig:
     """Knobs of Graft (``speculation/drafters/graft.py``; ALGORITHMS.md sections 0, 5, 6).
@@ -235,6 +245,10 @@ class GraftConfig:
     adds (EAGLE-3: 1; SpecBlock: block_size) and at most the drafter's deepest tree (EAGLE-3: 33;
     SpecBlock: 8 * block_size). Empty = the tree drafter's default: [0, 1, 5] (EAGLE-3), [0, K, 2K]
     (SpecBlock, K = block_size)."""
+    stage_unit: StageUnit = StageUnit.LEVELS
+    """What ``stages`` count: ``levels`` or ``forwards`` (of the tree drafter: EAGLE-3 adds 1 level
+    per forward, SpecBlock block_size). Stored resolved: the config keeps levels, so the unit reads
+    ``levels`` once built."""
     threshold: float = 0.3
     """Stop at a stage when the open leaves' path mass sum_b exp(S_b) is below this. Range [0, 1]."""
     gate_warmup: int = 4
@@ -275,9 +289,19 @@ class GraftConfig:
     def __post_init__(self) -> None:
         o = "graft"
         kind, base = self._tree_options()
+        try:
+            unit = StageUnit(self.stage_unit)
+        except ValueError:
+            allowed = ", ".join(u.value for u in StageUnit)
+            raise ConfigError(f"{o}.stage_unit must be one of {allowed}, got {self.stage_unit!r}") from None
         stages = self.stages if self.stages else base.graft_stages()
         if isinstance(stages, (int, float)) or not isinstance(stages, (list, tuple)):
             raise ConfigError(f"{o}.stages must be a list of depths, e.g. [0, 1, 5], got {stages!r}")
+        if unit == StageUnit.FORWARDS and self.stages:
+            for s in stages:
+                _check_int(o, "stages[] (forwards)", s, 0, base.max_levels // base.level_step)
+            stages = [s * base.level_step for s in stages]
+        object.__setattr__(self, "stage_unit", StageUnit.LEVELS)
         for s in stages:
             _check_int(o, "stages[]", s, 0, base.max_levels)
         if list(stages) != sorted(set(stages)):

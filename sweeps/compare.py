@@ -122,7 +122,7 @@ def collect_rows(experiment: str, uri: str | None = None, study: str | None = No
     for run in runs:
         tags = run.tags
         kind = tags.get(tracking.KIND_TAG, "")
-        if kind == tracking.SWEEP_KIND:
+        if kind in (tracking.SWEEP_KIND, tracking.HOLDOUT_KIND):
             continue
         if study is not None and tags.get(tracking.STUDY_TAG) != study:
             continue

@@ -69,6 +69,10 @@ class SweepConfig:
     """``BenchConfig`` fields for every trial (``methods`` is set by the sweep)."""
     categories: tuple[str, ...] | None = None
     """Only these question categories (None = all of the dataset)."""
+    holdout_categories: tuple[str, ...] | None = None
+    """Categories the sweep never sees: once the study is done, the best trial's configuration is
+    benched on them (one run, kind ``sweep_holdout``) and its held-out speedup is reported beside
+    its sweep score. Needs ``categories``, and must not overlap them (None = no held-out run)."""
     trial_resources: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1})
     """Ray resources per trial."""
     storage: str | None = None
@@ -122,6 +126,22 @@ class SweepConfig:
                     f"{o}.categories must be a non-empty list of category names, got {self.categories!r}"
                 )
             object.__setattr__(self, "categories", tuple(self.categories))
+        if self.holdout_categories is not None:
+            held = self.holdout_categories
+            if isinstance(held, str) or not held or not all(isinstance(c, str) for c in held):
+                raise ConfigError(
+                    f"{o}.holdout_categories must be a non-empty list of category names, got {held!r}"
+                )
+            if self.categories is None:
+                raise ConfigError(
+                    f"{o}.holdout_categories needs {o}.categories (the subset the sweep tunes on); "
+                    "without it every category is in the sweep and none is held out"
+                )
+            overlap = sorted(set(held) & set(self.categories))
+            if overlap:
+                raise ConfigError(f"{o}.holdout_categories {overlap} are also in {o}.categories; held-out "
+                                  "categories must be ones the sweep never sees")
+            object.__setattr__(self, "holdout_categories", tuple(held))
         res = self.trial_resources
         if (
             not isinstance(res, Mapping)

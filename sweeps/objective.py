@@ -20,6 +20,7 @@ from typing import Any
 from ray import tune
 
 from speculation.config import BenchConfig
+from sweeps.space import SearchSpace
 import tracking
 
 #: Metrics every trial reports to Tune (and logs to MLflow without a method prefix).
@@ -41,7 +42,7 @@ class TrialContext:
     Attributes:
         study: the study name.
         method: the swept drafter type (also the bench method name).
-        fixed: knobs held fixed.
+        space: the searched space (maps Optuna's stored values back to the method's options).
         bench: the bench settings (``methods`` = the swept method).
         categories: question categories to keep (None: all).
         tracking_uri: absolute MLflow URI.
@@ -53,7 +54,7 @@ class TrialContext:
 
     study: str
     method: str
-    fixed: dict[str, Any]
+    space: SearchSpace
     bench: BenchConfig
     categories: tuple[str, ...] | None
     tracking_uri: str
@@ -107,24 +108,15 @@ def _plot_categories(result: dict, method: str, path: Path) -> None:
     plt.close(fig)
 
 
-def run_trial(
-    ctx: TrialContext, number: int, params: dict[str, Any], target, questions: list
-) -> dict[str, float]:
-    """Run the bench for one point of the space, log it as a nested MLflow run, return metrics.
+def _bench_logged(ctx: TrialContext, run_id: str, stem: str, method_cfg: dict[str, Any], target,
+                  questions: list, extra_params: dict[str, Any]) -> dict[str, float]:
+    """Run the bench for ``method_cfg`` into the open MLflow run ``run_id`` and finish it.
 
-    A retried trial (same number) reopens its run; whatever stops the bench settles the run
-    (KILLED when the sweep was stopped, FAILED on an error); a dead actor's run is settled by the
-    driver (:class:`sweeps.progress.SettleDeadTrials`).
+    Artifacts are ``<stem>.json`` (the bench result) and ``<stem>-categories.png``. Whatever stops
+    the bench settles the run: KILLED when the sweep was stopped, FAILED on an error.
     """
     from speculation.bench.runner import run_bench
-    from speculation.drafters import resolve_methods
 
-    # The full resolved config (defaults included) is what the trial ran: log that, not the delta.
-    method_cfg = resolve_methods([ctx.method], {ctx.method: {**ctx.fixed, **params}})[0].config_dict()
-    run_id = tracking.open_trial_run(
-        ctx.tracking_uri, ctx.experiment_id, ctx.parent_run_id, ctx.study, number, ctx.method, method_cfg,
-        ctx.source,
-    )
     try:
         t0 = time.perf_counter()
         result = run_bench(ctx.bench, target, questions, {ctx.method: method_cfg})
@@ -133,13 +125,13 @@ def run_trial(
         resolved = result["methods"][ctx.method]["config"]
         out_dir = Path(ctx.artifacts_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        json_path = out_dir / f"trial-{number:04d}.json"
+        json_path = out_dir / f"{stem}.json"
         json_path.write_text(json.dumps(result, indent=1))
-        plot_path = out_dir / f"trial-{number:04d}-categories.png"
+        plot_path = out_dir / f"{stem}-categories.png"
         _plot_categories(result, ctx.method, plot_path)
         flat_params = {f"method.{ctx.method}.{k}": v for k, v in tracking.flatten(resolved).items()}
         flat_params.update({f"bench.{k}": v for k, v in tracking.flatten(result["bench_config"]).items()})
-        flat_params["trial_number"] = number
+        flat_params.update(extra_params)
         all_metrics = {**tracking.bench_metrics(result), **metrics, "trial_wall_s": wall}
     except (KeyboardInterrupt, SystemExit):  # the sweep was stopped, not a failure of this point
         tracking.set_status(ctx.tracking_uri, run_id, tracking.RunStatus.KILLED)
@@ -149,6 +141,52 @@ def run_trial(
         raise
     tracking.finish_run(ctx.tracking_uri, run_id, flat_params, all_metrics, (json_path, plot_path))
     return metrics
+
+
+def run_trial(
+    ctx: TrialContext, number: int, params: dict[str, Any], target, questions: list
+) -> dict[str, float]:
+    """Run the bench for one point of the space, log it as a nested MLflow run, return metrics.
+
+    A retried trial (same number) reopens its run; a dead actor's run is settled by the driver
+    (:class:`sweeps.progress.SettleDeadTrials`).
+    """
+    from speculation.drafters import resolve_methods
+
+    # The full resolved config (defaults included) is what the trial ran: log that, not the delta.
+    method_cfg = resolve_methods([ctx.method], {ctx.method: ctx.space.options(params)})[0].config_dict()
+    run_id = tracking.open_trial_run(
+        ctx.tracking_uri, ctx.experiment_id, ctx.parent_run_id, ctx.study, number, ctx.method, method_cfg,
+        ctx.source,
+    )
+    return _bench_logged(ctx, run_id, f"trial-{number:04d}", method_cfg, target, questions,
+                         {"trial_number": number})
+
+
+def load_target(bench: BenchConfig):
+    """The bench's target model, with the bench's torch threads."""
+    import torch
+
+    from speculation import assets
+    from speculation.target import TargetModel
+
+    if bench.threads is not None:
+        torch.set_num_threads(bench.threads)
+    model, tokenizer = assets.load_model_and_tokenizer(bench.model, bench.dtype.torch)
+    return TargetModel(model, tokenizer)
+
+
+def run_holdout(ctx: TrialContext, number: int, method_cfg: dict[str, Any]) -> dict[str, float]:
+    """The best trial's resolved config (``method_cfg``, as its run logged it) benched on the
+    held-out categories (``ctx.categories``), logged as a nested run of kind ``sweep_holdout``."""
+    target = load_target(ctx.bench)
+    questions = load_questions(ctx.bench, ctx.categories)
+    run_id = tracking.open_holdout_run(
+        ctx.tracking_uri, ctx.experiment_id, ctx.parent_run_id, ctx.study, number, ctx.method, method_cfg,
+        ctx.source,
+    )
+    return _bench_logged(ctx, run_id, f"holdout-trial-{number:04d}", method_cfg, target, questions,
+                         {"trial_number": number, "holdout_categories": ",".join(ctx.categories or ())})
 
 
 class BenchTrainable(tune.Trainable):
@@ -167,17 +205,8 @@ class BenchTrainable(tune.Trainable):
 
     def _load(self):
         if self._target is None:
-            import torch
-
-            from speculation import assets
-            from speculation.target import TargetModel
-
-            b = self.context.bench
-            if b.threads is not None:
-                torch.set_num_threads(b.threads)
-            model, tokenizer = assets.load_model_and_tokenizer(b.model, b.dtype.torch)
-            self._target = TargetModel(model, tokenizer)
-            self._questions = load_questions(b, self.context.categories)
+            self._target = load_target(self.context.bench)
+            self._questions = load_questions(self.context.bench, self.context.categories)
         return self._target, self._questions
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict:

@@ -167,19 +167,20 @@ def _run_leased(cfg: SweepConfig, paths: ResolvedPaths, source: tracking.RunSour
         "ran": remaining,
         "resumed_from": status.finished,
     }
+    ctx = TrialContext(
+        study=cfg.study,
+        method=cfg.method,
+        space=space,
+        bench=_bench_for(cfg, paths.root),
+        categories=cfg.categories,
+        tracking_uri=paths.tracking_uri,
+        experiment_id=exp_id,
+        parent_run_id=parent,
+        artifacts_dir=str(paths.artifacts_dir),
+        source=source,
+    )
+    resources = {k.lower() if k in ("CPU", "GPU") else k: v for k, v in cfg.trial_resources.items()}
     if remaining > 0:
-        ctx = TrialContext(
-            study=cfg.study,
-            method=cfg.method,
-            fixed=dict(cfg.fixed),
-            bench=_bench_for(cfg, paths.root),
-            categories=cfg.categories,
-            tracking_uri=paths.tracking_uri,
-            experiment_id=exp_id,
-            parent_run_id=parent,
-            artifacts_dir=str(paths.artifacts_dir),
-            source=source,
-        )
         searcher = OptunaSearch(
             space=space.define_by_run,
             metric=objective.metrics if len(objective.metrics) > 1 else objective.metrics[0],
@@ -190,7 +191,6 @@ def _run_leased(cfg: SweepConfig, paths: ResolvedPaths, source: tracking.RunSour
             study_name=cfg.study,
             storage=storage,
         )
-        resources = {k.lower() if k in ("CPU", "GPU") else k: v for k, v in cfg.trial_resources.items()}
         trainable = tune.with_resources(tune.with_parameters(BenchTrainable, context=ctx), resources)
         local_storage = not tune_storage_is_uri(paths.tune_storage)
         attempt = 0
@@ -225,18 +225,68 @@ def _run_leased(cfg: SweepConfig, paths: ResolvedPaths, source: tracking.RunSour
     report = compare.compare(
         paths.experiment, paths.tracking_uri, paths.output_dir / "compare", study=cfg.study
     )
-    _finish_parent(paths.tracking_uri, parent, report, study, total)
-    summary.update({"best": report.best, "compare_dir": str(paths.output_dir / "compare")})
+    holdout = None
+    if cfg.holdout_categories and report.best is not None:
+        try:
+            holdout = _holdout(cfg, ctx, report.best, resources, paths.output_dir / "compare")
+        except BaseException:  # the trials stand; the parent run records that the sweep did not finish
+            tracking.set_status(paths.tracking_uri, parent, tracking.RunStatus.FAILED)
+            raise
+        report.files.append(paths.output_dir / "compare" / "holdout.json")
+    _finish_parent(paths.tracking_uri, parent, report, study, total, holdout)
+    summary.update({"best": report.best, "holdout": holdout, "compare_dir": str(paths.output_dir / "compare")})
     return summary
 
 
-def _finish_parent(uri: str, parent: str, report, study, total: int) -> None:
+def _holdout(cfg: SweepConfig, ctx, best: dict, resources: dict, out_dir: Path) -> dict:
+    """Bench the best trial's configuration on ``cfg.holdout_categories`` (a Ray task with the
+    trials' resources), unless a finished held-out run of that trial exists (a resumed sweep);
+    write ``holdout.json`` (sweep score beside held-out score) into ``out_dir``."""
+    import dataclasses
+    import json
+
+    import ray
+
+    from sweeps.objective import TRIAL_METRICS, run_holdout
+
+    number = best["trial_number"]
+    done = [r for r in tracking.holdout_runs(ctx.tracking_uri, ctx.experiment_id, cfg.study, number)
+            if r.status == tracking.RunStatus.FINISHED.value]
+    if done:
+        metrics = {k: done[0].metrics[k] for k in TRIAL_METRICS if k in done[0].metrics}
+        print(f"[sweep {cfg.study}] held-out run of trial {number} already finished; reusing it", flush=True)
+    else:
+        print(f"[sweep {cfg.study}] benching trial {number}'s configuration on the held-out categories "
+              f"{list(cfg.holdout_categories)}", flush=True)
+        held_ctx = dataclasses.replace(ctx, categories=cfg.holdout_categories)
+        opts = {"num_cpus": resources.get("cpu", 1), "num_gpus": resources.get("gpu", 0),
+                "resources": {k: v for k, v in resources.items() if k not in ("cpu", "gpu")}}
+        task = ray.remote(run_holdout).options(**opts)
+        metrics = ray.get(task.remote(held_ctx, number, dict(best["config"])))
+    out = {
+        "study": cfg.study,
+        "trial_number": number,
+        "method": best["method"],
+        "config": best["config"],
+        "sweep_categories": list(cfg.categories or ()),
+        "holdout_categories": list(cfg.holdout_categories or ()),
+        "sweep": {k: v for k, v in best["metrics"].items() if v is not None},
+        "holdout": metrics,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "holdout.json").write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
+def _finish_parent(uri: str, parent: str, report, study, total: int, holdout: dict | None = None) -> None:
     from optuna.trial import TrialState
 
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
     metrics = {"trials_complete": float(len(complete))}
     if report.best is not None:
         metrics.update({f"best.{k}": float(v) for k, v in report.best["metrics"].items() if v is not None})
+    if holdout is not None:
+        metrics.update({f"holdout.{k}": float(v) for k, v in holdout["holdout"].items()})
     # Fewer complete trials than asked means some failed (a killed sweep never gets here).
     tracking.finish_sweep_parent(uri, parent, metrics, report.files, complete=len(complete) >= total)
 
@@ -312,6 +362,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             + ", ".join(f"{k} {v:.3f}" for k, v in best["metrics"].items() if v is not None)
         )
     )
+    held = summary.get("holdout")
+    if held:
+        line += (f"; held-out ({', '.join(held['holdout_categories'])}): speedup "
+                 f"{held['holdout'].get('speedup', float('nan')):.3f} against {held['sweep'].get('speedup', float('nan')):.3f} "
+                 "on the sweep's categories")
     print(
         f"[sweep {summary['study']}] done: ran {summary['ran']} trial(s); {line}; "
         f"comparison in {summary['compare_dir']}",

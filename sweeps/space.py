@@ -181,11 +181,29 @@ class SearchSpace:
     def valid_knobs(self) -> list[str]:
         return sorted(f.name for f in dataclasses.fields(self.config_class) if f.init)
 
+    def options(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The method's options for one point: ``fixed``, then ``params`` as Optuna stored them.
+
+        A list choice comes back from Optuna as its label (``"[0, 1, 5]"``) and is mapped back to
+        the list. A dotted knob (``tree_drafter.block_size``) sets one key of a nested section: the
+        section is taken from ``fixed`` when it is there, else from the method's default.
+        """
+        labels = {k.name: {_label(c): c for c in k.choices} for k in self.knobs if k.kind == KnobKind.CATEGORICAL}
+        out: dict[str, Any] = dict(self.fixed)
+        for name, value in params.items():
+            if isinstance(value, str):
+                value = labels.get(name, {}).get(value, value)
+            head, _, key = name.partition(".")
+            if not key:
+                out[name] = value
+                continue
+            section = out.get(head, getattr(self.method.config, head))
+            out[head] = {**dict(section), key: value}
+        return out
+
     def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """The full method config (defaults, then fixed, then ``params``) as a plain dict."""
-        labels = {k.name: {_label(c): c for c in k.choices} for k in self.knobs if k.kind == KnobKind.CATEGORICAL}
-        params = {n: labels.get(n, {}).get(v, v) if isinstance(v, str) else v for n, v in params.items()}
-        cfg = from_dict(self.config_class, {**self.fixed, **params}, where=f"sweep.{self.method.name}")
+        cfg = from_dict(self.config_class, self.options(params), where=f"sweep.{self.method.name}")
         return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
     def define_by_run(self, trial) -> dict[str, Any]:
@@ -213,7 +231,9 @@ def build_space(
     cfg_cls = type(spec.config)
     valid = sorted(f.name for f in dataclasses.fields(cfg_cls) if f.init)
     for section, names in (("space", list(space)), ("fixed", list(fixed))):
-        unknown = [n for n in names if n not in valid]
+        # A searched knob may be dotted (``tree_drafter.block_size``): one key of a nested section.
+        heads = [n.partition(".")[0] if section == "space" else n for n in names]
+        unknown = [n for n, h in zip(names, heads) if h not in valid]
         if unknown:
             raise ConfigError(
                 f"sweep.{section}: unknown knob(s) {unknown} for method {method!r} ({cfg_cls.__name__}); "
@@ -222,6 +242,13 @@ def build_space(
     both = sorted(set(space) & set(fixed))
     if both:
         raise ConfigError(f"sweep: knob(s) {both} are both searched (space) and fixed; keep one")
+    for name in space:
+        head, _, key = name.partition(".")
+        if key and not isinstance(fixed.get(head, getattr(spec.config, head)), Mapping):
+            raise ConfigError(
+                f"sweep.space.{name}: {head!r} is not a nested section of {cfg_cls.__name__} "
+                f"(only mapping-valued knobs such as graft's tree_drafter take dotted keys)"
+            )
     knobs = tuple(parse_knob(name, raw) for name, raw in space.items())
     out = SearchSpace(method=spec, knobs=knobs, fixed=fixed)
     out.resolve({})  # fixed values alone must be valid

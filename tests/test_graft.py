@@ -381,6 +381,9 @@ def test_nested_config_defaults_round_trip_and_registry():
          "graft.tree_drafter: unknown key(s) ['bogus'] for tree drafter type specblock"),
         ({"tree_drafter": {"type": "specblock"}, "stages": [0, 1, 5]}, "graft.stages must be multiples of 4"),
         ({"tree_drafter": {"type": "specblock", "block_size": 2}, "stages": [0, 18]}, "graft.stages[] must be in [0, 16]"),
+        ({"stage_unit": "blocks"}, "graft.stage_unit must be one of levels, forwards, got 'blocks'"),
+        ({"tree_drafter": {"type": "specblock", "block_size": 2}, "stages": [0, 9], "stage_unit": "forwards"},
+         "graft.stages[] (forwards) must be in [0, 8]"),
     ],
 )
 def test_bad_config_is_a_clear_error(kw, message):

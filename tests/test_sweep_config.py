@@ -168,6 +168,74 @@ def test_list_valued_choices_round_trip_through_optuna():
         build_space("graft", {"stages": {"type": "categorical", "choices": [[[0]]]}})
 
 
+def test_trial_options_map_labels_back_as_the_trial_runs_them():
+    """The trainable builds the method from Optuna's stored params: list labels become lists again
+    (the bench would refuse the string "[0, 1, 5]")."""
+    from speculation.drafters import resolve_methods
+
+    space = build_space("graft", {"stages": {"type": "categorical", "choices": [[0, 1, 5], [1, 5]]}},
+                        {"threshold": 0.2})
+    opts = space.options({"stages": "[1, 5]"})
+    assert opts == {"threshold": 0.2, "stages": (1, 5)}
+    assert resolve_methods(["graft"], {"graft": opts})[0].config.stages == (1, 5)
+
+
+def test_dotted_knobs_search_the_graft_tree_drafter_with_stages_in_forwards():
+    """Graft over SpecBlock: block size and stages searched together; stages counted in drafter
+    forwards stay valid for every block size ([0, 1, 2] forwards = [0, K, 2K] levels)."""
+    space = build_space(
+        "graft",
+        {"tree_drafter.block_size": {"type": "int", "low": 2, "high": 4},
+         "stages": {"type": "categorical", "choices": [[0, 1], [0, 1, 2], [1, 2]]}},
+        {"tree_drafter": {"type": "specblock"}, "stage_unit": "forwards"},
+    )
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    seen = set()
+    for _ in range(20):
+        trial = study.ask()
+        space.define_by_run(trial)
+        k = trial.params["tree_drafter.block_size"]
+        cfg = space.resolve(trial.params)
+        assert cfg["tree_drafter"]["type"] == "specblock" and cfg["tree_drafter"]["block_size"] == k
+        forwards = {"[0, 1]": (0, 1), "[0, 1, 2]": (0, 1, 2), "[1, 2]": (1, 2)}[trial.params["stages"]]
+        assert cfg["stages"] == tuple(s * k for s in forwards)
+        assert cfg["stage_unit"].value == "levels"  # stored resolved
+        seen.add(k)
+        study.tell(trial, 1.0)
+    assert seen == {2, 3, 4}
+    # Without a nested section fixed, the default (EAGLE-3) section is the base of a dotted knob.
+    eagle = build_space("graft", {"tree_drafter.top_k": {"type": "int", "low": 2, "high": 6}})
+    assert eagle.resolve({"tree_drafter.top_k": 3})["tree_drafter"]["type"] == "eagle3"
+    with pytest.raises(ConfigError, match=r"sweep.space.threshold.x: 'threshold' is not a nested section"):
+        build_space("graft", {"threshold.x": {"type": "int", "low": 1, "high": 2}})
+    with pytest.raises(ConfigError, match=r"unknown knob\(s\) \['nope.block_size'\]"):
+        build_space("graft", {"nope.block_size": {"type": "int", "low": 1, "high": 2}})
+    with pytest.raises(ConfigError, match=r"tree_drafter.block_size: value 17 is invalid"):
+        build_space("graft", {"tree_drafter.block_size": {"type": "int", "low": 2, "high": 17}},
+                    {"tree_drafter": {"type": "specblock"}})
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"holdout_categories": ["xsum"]}, r"sweep.holdout_categories needs sweep.categories"),
+        ({"categories": ["xsum"], "holdout_categories": "asdiv"}, r"non-empty list of category names"),
+        ({"categories": ["xsum"], "holdout_categories": []}, r"non-empty list of category names"),
+        ({"categories": ["xsum", "asdiv"], "holdout_categories": ["asdiv", "nq_open"]},
+         r"sweep.holdout_categories \['asdiv'\] are also in sweep.categories"),
+    ],
+)
+def test_holdout_categories_are_validated(tmp_path, extra, match):
+    data = {"study": "s", "method": "retrieval", "space": SPACE, **extra}
+    with pytest.raises(ConfigError, match=match):
+        load_sweep_config(_write(tmp_path, data))
+
+
+def test_holdout_categories_load():
+    cfg = SweepConfig(study="s", method="retrieval", space=SPACE, categories=["xsum"], holdout_categories=["asdiv"])
+    assert cfg.holdout_categories == ("asdiv",) and cfg.to_dict()["holdout_categories"] == ["asdiv"]
+
+
 def test_objectives():
     assert Objective.SPEEDUP.metrics == ["speedup"] and Objective.SPEEDUP.directions == ["maximize"]
     assert Objective.SPEEDUP_VS_DRAFTING.modes == ["max", "min"]

@@ -310,6 +310,24 @@ def test_smoke_sweep_job(head, tmp_path):
     best = yaml.safe_load((out / "best_config.yaml").read_text())
     assert resolve_methods(["retrieval"], best)[0].config.cost_aware is False
 
+    # The held-out run: the best trial's config, benched on categories no trial saw, reported
+    # beside its sweep score (and never a row of compare).
+    held = json.loads((tmp_path / "runs" / "sweeps" / "smoke" / "compare" / "holdout.json").read_text())
+    best_trial = max(complete, key=lambda t: t.values[0])
+    assert held["trial_number"] == best_trial.number and held["config"] == best["retrieval"]
+    assert held["holdout_categories"] == ["xsum", "asdiv"]
+    assert held["sweep"]["speedup"] == pytest.approx(best_trial.values[0])
+    holdouts = tracking.holdout_runs(uri, exp.experiment_id, "smoke", best_trial.number)
+    assert len(holdouts) == 1 and holdouts[0].status == "FINISHED"
+    h = holdouts[0].metrics
+    assert h["speedup"] == pytest.approx(held["holdout"]["speedup"])
+    assert "retrieval.xsum.speedup" in h and "retrieval.asdiv.tau" in h and "retrieval.humaneval.speedup" not in h
+    assert json.loads(holdouts[0].tags[tracking.CONFIG_TAG]) == best["retrieval"]
+    assert parents[0].metrics["holdout.speedup"] == pytest.approx(held["holdout"]["speedup"])
+    assert "held-out (xsum, asdiv): speedup" in logs
+    listed = {r["run_id"] for r in json.loads((out / "runs.json").read_text())}
+    assert holdouts[0].run_id not in listed and {r.run_id for r in runs} <= listed
+
 
 def test_killed_sweep_resumes_without_losing_or_repeating_trials(head, tmp_path):
     from optuna.trial import TrialState
@@ -319,6 +337,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(head, tmp_path)
     data = yaml.safe_load((REPO / "ray_configs" / "sweep_smoke.yaml").read_text())
     # Multi-objective here (speedup vs drafting share), so both modes run end to end.
     data.update(study="resume", trials=3, categories=["nq_open"], objective="speedup_vs_drafting")
+    data.pop("holdout_categories")  # the held-out run is the smoke test's; keep this one short
     config = tmp_path / "sweep_resume.yaml"
     config.write_text(yaml.safe_dump(data))
 

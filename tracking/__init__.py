@@ -34,6 +34,7 @@ from tracking.source import COMMIT_TAG, RunSource, SourceType, check_commit, git
 from tracking.store import StoreKind, TrackingError, check_reachable, experiment_id, prepare, resolve_uri, store_kind
 from tracking.sweep import (
     CONFIG_TAG,
+    HOLDOUT_KIND,
     METHOD_TAG,
     PARENT_TAG,
     STUDY_TAG,
@@ -43,6 +44,8 @@ from tracking.sweep import (
     RunRecord,
     find_runs,
     finish_sweep_parent,
+    holdout_runs,
+    open_holdout_run,
     open_sweep_parent,
     open_trial_run,
     settle_trial_runs,
@@ -53,6 +56,7 @@ from tracking.train import MetricsSink, MlflowSink, NullSink
 __all__ = [
     "COMMIT_TAG",
     "CONFIG_TAG",
+    "HOLDOUT_KIND",
     "KIND_TAG",
     "METHOD_TAG",
     "METRIC_KEYS",
@@ -79,6 +83,8 @@ __all__ = [
     "find_runs",
     "finish_run",
     "finish_sweep_parent",
+    "holdout_runs",
+    "open_holdout_run",
     "flatten",
     "git_commit",
     "log_batch",

@@ -24,6 +24,9 @@ METHOD_TAG = "graftblock.method"
 CONFIG_TAG = "graftblock.method_config"
 SWEEP_KIND = "sweep"
 TRIAL_KIND = "sweep_trial"
+HOLDOUT_KIND = "sweep_holdout"
+"""The best trial's configuration run once more on the held-out categories (not a trial: compare
+skips it, so it never competes for "best")."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,21 @@ def open_trial_run(uri: str, exp_id: str, parent_id: str, study: str, number: in
         METHOD_TAG: method, CONFIG_TAG: json.dumps(dict(method_config), sort_keys=True, default=str),
     }
     return create_run(uri, exp_id, f"{study}-trial-{number}", tags, source)
+
+
+def holdout_runs(uri: str, exp_id: str, study: str, number: int) -> list[RunRecord]:
+    """Held-out runs of trial ``number``'s configuration, newest first."""
+    return find_runs(uri, exp_id, {KIND_TAG: HOLDOUT_KIND, STUDY_TAG: study, TRIAL_TAG: str(number)})
+
+
+def open_holdout_run(uri: str, exp_id: str, parent_id: str, study: str, number: int, method: str,
+                     method_config: Mapping[str, Any], source: RunSource) -> str:
+    """A new RUNNING run for the held-out evaluation of trial ``number``, nested under ``parent_id``."""
+    tags = {
+        PARENT_TAG: parent_id, KIND_TAG: HOLDOUT_KIND, STUDY_TAG: study, TRIAL_TAG: str(number),
+        METHOD_TAG: method, CONFIG_TAG: json.dumps(dict(method_config), sort_keys=True, default=str),
+    }
+    return create_run(uri, exp_id, f"{study}-holdout-trial-{number}", tags, source)
 
 
 def settle_trial_runs(uri: str, exp_id: str, study: str, number: int, status: RunStatus) -> list[str]:
