@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "graft_specbench_fp32": "Graft ablation (fp32)",
     "graft_humaneval_fp32": "Graft ablation on HumanEval (fp32)",
     "graft_asdiv_fp32": "Graft ablation on ASDiv, a dataset not used while building Graft (fp32)",
+    "adapt_domain_shift_eagle3_fp32": "Online adaptation: policies on the domain-shift stream, EAGLE-3 (fp32)",
     "sweep_graft_heldout_fp32": "Graft over SpecBlock: Optuna sweep on 4 Spec-Bench categories, best configuration on the 9 held out (fp32)",
     "specblock_specbench_bf16": "SpecBlock against EAGLE-3, and its ablations (bf16)",
     "specblock_giveup_bf16": "SpecBlock: the rank head's give-up class stops a branch (widths 2/4/6/0 against 2/4/6/4, bf16)",
@@ -253,6 +254,50 @@ def render_sweep_heldout(res: dict) -> list[str]:
     return lines
 
 
+def render_adapt(res: dict) -> list[str]:
+    """adapt-bench: policies on one domain-shifting stream, tokens/s net of update cost, decisions."""
+    pol = res["policies"]
+    static = pol.get("static", {}).get("tokens_per_s")
+    reqs = ", ".join(f"{k} {v}" for k, v in res["requests_per_phase"].items())
+    c = res.get("controller", {})
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, drafter `{res['drafter']}`, stream "
+             f"`{res['stream']}` (requests per phase: {reqs}), {res['max_new_tokens']} new tokens, greedy; requests "
+             f"interleaved policy by policy on the same cores, each policy with its own copy of the drafter. "
+             f"Controller: a round every {c.get('decide_every_steps')} verify steps, horizon {c.get('horizon_s')} s, "
+             f"bandit budgets {c.get('budgets')}, always-update {c.get('fixed_budget')} steps, periodic "
+             f"{c.get('periodic_budget')} steps every {c.get('periodic_rounds')} rounds, guard window "
+             f"{c.get('guard_window')} steps, lr {c.get('lr')}.", "",
+             "| policy | tok/s (update cost included) | vs static | tau | updates | rollbacks | gated | update cost s "
+             "| regret s | lossless |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, p in pol.items():
+        ratio = p["tokens_per_s"] / static if static else None
+        lines.append(f"| {name} | {_f(p['tokens_per_s'], 2)} | {_f(ratio, 3, '×')} | {_f(p['tau'], 3)} | {p['updates']} | "
+                     f"{p['rollbacks']} | {p['gated']} | {_f(p['cost_s'], 1)} | {_f(p.get('regret'), 1)} | "
+                     f"{_f(p['lossless'])} |")
+    phases = res["phases"]
+    lines += ["", "Per phase, tok/s (tau):", "", "| policy | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+    for name, p in pol.items():
+        lines.append(f"| {name} | " + " | ".join(f"{_f(p['per_phase'][ph]['tokens_per_s'], 2)} "
+                                                 f"({_f(p['per_phase'][ph]['tau'], 2)})" for ph in phases) + " |")
+    for name, p in pol.items():
+        rounds = [d for d in p.get("decisions", []) if d.get("outcome") != "skipped"]
+        if not rounds:
+            continue
+        lines += ["", f"`{name}`: rounds that trained ({len(rounds)} of {len(p.get('decisions', []))} rounds; "
+                  "G = expected gain over the horizon with its confidence interval, C = priced cost):", "",
+                  "| round | arm (steps) | outcome | tau old | tau new [CI] | G s [CI] | C s | realised s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for d in rounds:
+            g = d.get("gain") or {}
+            cost = d.get("cost") or {}
+            total = cost.get("train_s", 0.0) * cost.get("contention", 1.0) + cost.get("sync_s", 0.0) if cost else None
+            lines.append(f"| {d['round']} | {d['arm']} | {d['outcome']} | {_f(g.get('tau_old'), 3)} | "
+                         f"{_f(g.get('tau_new'), 3)} [{_f(g.get('tau_new_lo'), 3)}, {_f(g.get('tau_new_hi'), 3)}] | "
+                         f"{_f(g.get('gain_s'), 2)} [{_f(g.get('gain_lo_s'), 2)}, {_f(g.get('gain_hi_s'), 2)}] | "
+                         f"{_f(total, 2)} | {_f(d.get('realised_gain_s'), 2)} |")
+    return lines
+
+
 def render_output_head(res: dict) -> list[str]:
     """Vanilla decoding with each output head, interleaved prompt by prompt."""
     shape = res["head_shape"]
@@ -366,6 +411,8 @@ def main() -> int:
             out += render_serve_load(res)
         elif kind == "output_head":
             out += render_output_head(res)
+        elif kind == "adapt_bench":
+            out += render_adapt(res)
         elif kind == "sweep_heldout":
             out += render_sweep_heldout(res)
         elif kind == "cost_correction":

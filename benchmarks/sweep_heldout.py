@@ -32,6 +32,16 @@ def _per_category(bench: dict, method: str) -> dict[str, dict[str, float]]:
     return {c: {k: per[c][k] for k in ("speedup", "tau", "tokens_per_s") if k in per[c]} for c in sorted(per)}
 
 
+def _recorded_commit(paths, study: str, number: int) -> str | None:
+    """The git commit the sweep's held-out run recorded (``--git-commit`` of the submission)."""
+    import tracking
+
+    exp_id = tracking.experiment_id(paths.experiment, paths.tracking_uri)
+    runs = tracking.holdout_runs(paths.tracking_uri, exp_id, study, number)
+    sha = runs[0].tags.get(tracking.COMMIT_TAG) if runs else None
+    return sha[:7] if sha else None
+
+
 def build(config: Path, root: Path) -> dict:
     cfg = load_sweep_config(config)
     paths = cfg.resolved(root)
@@ -56,10 +66,13 @@ def build(config: Path, root: Path) -> dict:
     trial_bench = json.loads((art / f"trial-{number:04d}.json").read_text())
     held_bench = json.loads((art / f"holdout-trial-{number:04d}.json").read_text())
     method = cfg.method
+    env = dict(held_bench["env"])
+    if not env.get("git_commit"):  # a Ray job's copy has no .git: the commit is the one the runs record
+        env["git_commit"] = _recorded_commit(paths, cfg.study, number)
     return {
         "kind": "sweep_heldout",
         "command": SUBMIT.format(config=config.as_posix()),
-        "env": held_bench["env"],
+        "env": env,
         "study": cfg.study,
         "method": method,
         "objective": cfg.objective.value,
