@@ -283,6 +283,13 @@ def render_adapt(res: dict) -> list[str]:
         rounds = [d for d in p.get("decisions", []) if d.get("outcome") != "skipped"]
         if not rounds:
             continue
+        if not any(d.get("gain") for d in rounds):  # always / periodic: no estimate, just the spend
+            costs = [d["cost"]["train_s"] * d["cost"]["contention"] + d["cost"]["sync_s"] for d in rounds if d.get("cost")]
+            outcomes = sorted({d["outcome"] for d in rounds})
+            lines += ["", f"`{name}`: {len(rounds)} of {len(p.get('decisions', []))} rounds trained "
+                      f"({', '.join(outcomes)}; arms {sorted({d['arm'] for d in rounds})} steps), priced cost "
+                      f"{_f(min(costs), 1)}–{_f(max(costs), 1)} s per round; no gain is estimated by this policy."]
+            continue
         lines += ["", f"`{name}`: rounds that trained ({len(rounds)} of {len(p.get('decisions', []))} rounds; "
                   "G = expected gain over the horizon with its confidence interval, C = priced cost):", "",
                   "| round | arm (steps) | outcome | tau old | tau new [CI] | G s [CI] | C s | realised s |",

@@ -431,15 +431,46 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
+    plot = plot_tau(result, out.with_name(f"{out.stem}_tau.png"))
     if log is not None:
         skip = ("decisions", "tau_series", "tokens_per_s_series", "phase_series", "arm_series", "config_bandit")
         log.finish({k: {kk: vv for kk, vv in v.items() if kk not in skip}
-                    for k, v in result["policies"].items()}, [out])
+                    for k, v in result["policies"].items()}, [out, plot])
     for name, p in result["policies"].items():
         print(f"{name:>10}: {p['tokens_per_s']:.2f} tok/s  tau {p['tau']:.3f}  updates {p['updates']}  "
               f"rollbacks {p['rollbacks']}  cost {p['cost_s']:.2f} s  lossless {p['lossless']}")
     print(f"wrote {out}")
     return 0
+
+
+def plot_tau(result: dict[str, Any], path: Path, window: int = 4) -> Path:
+    """tau per request for every policy (a trailing mean over ``window`` requests), phases shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    phase_series = next(iter(result["policies"].values()))["phase_series"]
+    start = 0
+    for k, phase in enumerate(result["phases"]):
+        n = phase_series.count(phase)
+        if k % 2:
+            ax.axvspan(start - 0.5, start + n - 0.5, color="0.93", lw=0)
+        ax.text(start + n / 2, 1.0, phase, ha="center", va="bottom", transform=ax.get_xaxis_transform(), fontsize=8)
+        start += n
+    for name, p in result["policies"].items():
+        taus = p["tau_series"]
+        smooth = [sum(taus[max(0, i - window + 1): i + 1]) / len(taus[max(0, i - window + 1): i + 1])
+                  for i in range(len(taus))]
+        ax.plot(range(len(taus)), smooth, label=f"{name} ({p['updates']} updates)", lw=1.2)
+    ax.set_xlabel("request")
+    ax.set_ylabel(f"tau (trailing mean of {window})")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamSpec) -> dict[str, Any]:
@@ -474,7 +505,20 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
             "cost_s": s["cost_s"], "regret": s.get("regret_s"), "best_fixed_arm": s.get("best_fixed_arm"),
             "decisions": _jsonable(run.controller.decisions),
         }
-    return _jsonable({"model": args.model, "dtype": args.dtype, "drafter": args.drafter, "stream": stream.name,
+    from speculation.bench.runner import environment
+
+    command = "graftblock adapt-bench " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in (
+            ("model", args.model), ("dtype", args.dtype), ("threads", args.threads), ("drafter", args.drafter),
+            ("config", args.config), ("policies", args.policies), ("stream", args.stream),
+            ("requests_per_phase", args.requests_per_phase), ("max_new_tokens", args.max_new_tokens),
+            ("json", args.json)) if v is not None)
+    return _jsonable({"kind": "adapt_bench", "command": command, "env": environment(),
+                      "controller": {"decide_every_steps": args.decide_every_steps, "horizon_s": args.horizon_s,
+                                     "budgets": [int(b) for b in args.budgets.split(",")], "fixed_budget": args.fixed_budget,
+                                     "periodic_rounds": args.periodic_rounds, "periodic_budget": args.periodic_budget,
+                                     "guard_window": args.guard_window, "lr": args.lr},
+                      "model": args.model, "dtype": args.dtype, "drafter": args.drafter, "stream": stream.name,
                       "phases": phases, "requests_per_phase": {p.name: p.requests for p in stream.phases},
                       "max_new_tokens": args.max_new_tokens, "lossless_reference": runs[0].name,
                       "policies": policies})

@@ -383,6 +383,10 @@ def test_adapt_bench_cli_runs_the_policies_and_logs_decisions(tiny_model_dir, tm
     assert pol["static"]["updates"] == 0 and pol["always"]["updates"] >= 1
     assert pol["cost_aware"]["regret"] is not None and len(pol["always"]["tau_series"]) == 4
     assert {"chat", "code"} == set(pol["always"]["per_phase"])
+    # A benchmark result: its command, environment and controller settings, and the tau plot beside it.
+    assert res["kind"] == "adapt_bench" and res["command"].startswith("graftblock adapt-bench --model ")
+    assert res["env"]["torch"] and res["controller"]["budgets"] == [0, 4]
+    assert (tmp_path / "adapt_tau.png").stat().st_size > 5000
     run = mlflow.MlflowClient(tracking_uri=uri).search_runs(
         [mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name("adapt-test").experiment_id])[0]
     assert run.data.metrics["always.updates"] == pol["always"]["updates"]
