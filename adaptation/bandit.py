@@ -8,6 +8,15 @@
 
 with ``mean_r(skip) = 0`` exactly and no bonus (skip costs nothing and teaches nothing).
 
+**Cheapest-first exploration.** Untried arms are explored in increasing budget, and an untried
+arm is not explored while a cheaper arm's latest held-out estimate was *harmful*: its whole gain
+interval below zero, ``G_hi < 0`` (the candidate's tau CI lies under the live tau). More
+optimizer steps on the same feedback at the same learning rate move further in the same
+direction, so a dearer arm would pay more to lose more. (Measured: on the domain-shift stream
+the 32-, 128- and 512-step candidates all lowered tau, and exploring the 512-step arm cost 253 s,
+more than the static policy's whole run.) A later non-harmful estimate of the cheaper arm lifts
+the block. ``explore_after_harm: true`` restores plain UCB exploration.
+
 **Gate.** A trained candidate is applied only when the lower confidence bound of its held-out
 gain beats its cost, ``G_lo > C(a)`` (:mod:`adaptation.gain`, :mod:`adaptation.cost_model`).
 
@@ -40,6 +49,8 @@ class BanditConfig:
 
     budgets: tuple[int, ...] = (SKIP, 32, 128, 512)
     ucb_scale: float = 1.0
+    explore_after_harm: bool = False
+    """Explore a dearer untried arm even after a cheaper arm's estimate was harmful (module doc)."""
 
     def __post_init__(self) -> None:
         b = self.budgets
@@ -47,6 +58,8 @@ class BanditConfig:
             raise ConfigError(f"adapt.bandit.budgets must start with 0 (skip) and increase strictly, got {b}")
         if self.ucb_scale < 0:
             raise ConfigError(f"adapt.bandit.ucb_scale must be >= 0, got {self.ucb_scale}")
+        if not isinstance(self.explore_after_harm, bool):
+            raise ConfigError(f"adapt.bandit.explore_after_harm must be true or false, got {self.explore_after_harm!r}")
 
 
 def gate(gain_lo_s: float, cost_s: float) -> bool:
@@ -58,6 +71,8 @@ def gate(gain_lo_s: float, cost_s: float) -> bool:
 class ArmStats:
     pulls: int = 0
     reward_sum: float = 0.0
+    harmful: bool = False
+    """The arm's latest held-out estimate had its whole gain interval below zero."""
 
     @property
     def mean(self) -> float:
@@ -83,20 +98,29 @@ class CostAwareBandit:
         """The arm (budget) of the next round."""
         self.rounds += 1
         best, best_v = SKIP, 0.0
+        harm_below = False  # a cheaper arm's latest estimate was harmful
         for b in self.config.budgets[1:]:
             s = self.stats[b]
             if s.pulls == 0:
+                if harm_below and not self.config.explore_after_harm:
+                    continue
                 return b
+            harm_below = harm_below or s.harmful
             v = s.mean + self.config.ucb_scale * math.sqrt(2 * math.log(self.rounds) / s.pulls)
             if v > best_v:
                 best, best_v = b, v
         return best
 
-    def record(self, arm: int, reward: float, counterfactual: dict[int, float] | None = None) -> None:
-        """The realised reward of ``arm`` this round (and estimated rewards of other arms, if known)."""
+    def record(self, arm: int, reward: float, counterfactual: dict[int, float] | None = None,
+               harmful: bool | None = None) -> None:
+        """The realised reward of ``arm`` this round (and estimated rewards of other arms, if known);
+        ``harmful``: whether this round's held-out estimate of ``arm`` had ``G_hi < 0`` (None: no
+        estimate, the flag is kept)."""
         s = self.stats[arm]
         s.pulls += 1
         s.reward_sum += reward
+        if harmful is not None:
+            s.harmful = harmful
         row = {SKIP: 0.0, **(counterfactual or {}), arm: reward}
         self.history.append(row)
         self.chosen.append(arm)

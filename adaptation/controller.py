@@ -223,7 +223,7 @@ class AdaptationController:
             est = self.estimate(result.state)
             if not gate(est.gain_lo_s, cost.total_s):
                 reward = -cost.train_s * cost.contention
-                self.bandit.record(arm, reward, {arm: reward})
+                self.bandit.record(arm, reward, {arm: reward}, harmful=est.gain_hi_s < 0)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.GATED, cost, est, train_s,
                                           loss=result.mean_loss, reward_s=reward))
             return self.apply(result.state, arm, cost, est, train_s, result.mean_loss)
@@ -286,7 +286,7 @@ class AdaptationController:
             sync_s = self._publish(previous)
         reward = realised - cost.total_s
         counter = {arm: reward}
-        self.bandit.record(arm, reward, counter)
+        self.bandit.record(arm, reward, counter, harmful=None if est is None else est.gain_hi_s < 0)
         outcome = Outcome.ROLLED_BACK if verdict is GuardVerdict.ROLLBACK else Outcome.KEPT
         self._log(Decision(self._rounds, self.config.policy, arm, outcome, cost, est, sync_s=sync_s,
                            tau_pre=tau_pre, tau_post=tau_post, realised_gain_s=realised, reward_s=reward))

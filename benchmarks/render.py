@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "graft_humaneval_fp32": "Graft ablation on HumanEval (fp32)",
     "graft_asdiv_fp32": "Graft ablation on ASDiv, a dataset not used while building Graft (fp32)",
     "adapt_domain_shift_eagle3_fp32": "Online adaptation: policies on the domain-shift stream, EAGLE-3 (fp32)",
+    "adapt_domain_shift_eagle3_fp32_cheapest_first": "Online adaptation: cost-aware with cheapest-first exploration against static, EAGLE-3 (fp32)",
     "sweep_graft_heldout_fp32": "Graft over SpecBlock: Optuna sweep on 4 Spec-Bench categories, best configuration on the 9 held out (fp32)",
     "specblock_specbench_bf16": "SpecBlock against EAGLE-3, and its ablations (bf16)",
     "specblock_giveup_bf16": "SpecBlock: the rank head's give-up class stops a branch (widths 2/4/6/0 against 2/4/6/4, bf16)",
@@ -266,7 +267,9 @@ def render_adapt(res: dict) -> list[str]:
              f"Controller: a round every {c.get('decide_every_steps')} verify steps, horizon {c.get('horizon_s')} s, "
              f"bandit budgets {c.get('budgets')}, always-update {c.get('fixed_budget')} steps, periodic "
              f"{c.get('periodic_budget')} steps every {c.get('periodic_rounds')} rounds, guard window "
-             f"{c.get('guard_window')} steps, lr {c.get('lr')}.", "",
+             f"{c.get('guard_window')} steps, lr {c.get('lr')}; cost_aware explores "
+             + ("every budget once" if c.get("explore_after_harm", True) else
+                "budgets cheapest first, skipping dearer ones after a harmful estimate") + ".", "",
              "| policy | tok/s (update cost included) | vs static | tau | updates | rollbacks | gated | update cost s "
              "| regret s | lossless |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, p in pol.items():

@@ -245,6 +245,9 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decide-every-steps", type=int, default=64, help="verify steps between rounds")
     p.add_argument("--horizon-s", type=float, default=60.0, help="gain horizon, seconds")
     p.add_argument("--budgets", default="0,32,128,512", help="bandit arms: optimizer steps (0 = skip)")
+    p.add_argument("--explore-after-harm", action="store_true",
+                   help="cost_aware: explore every budget even after a cheaper one's candidate lowered tau "
+                        "(default: cheapest first, dearer budgets skipped after a harmful estimate)")
     p.add_argument("--fixed-budget", type=int, default=32, help="steps of an always-update round")
     p.add_argument("--periodic-rounds", type=int, default=4)
     p.add_argument("--periodic-budget", type=int, default=128)
@@ -375,7 +378,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     base = dict(
         decide_every_steps=args.decide_every_steps, horizon_s=args.horizon_s, fixed_budget=args.fixed_budget,
         periodic_rounds=args.periodic_rounds, periodic_budget=args.periodic_budget,
-        bandit=BanditConfig(budgets=budgets), guard=GuardConfig(window_steps=args.guard_window),
+        bandit=BanditConfig(budgets=budgets, explore_after_harm=args.explore_after_harm), guard=GuardConfig(window_steps=args.guard_window),
         online=OnlineConfig(lr=args.lr, unroll_steps=args.unroll_steps, window_tokens=args.window_tokens),
         buffer=BufferConfig(heldout_sequences=args.heldout),
     )
@@ -517,7 +520,8 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
                       "controller": {"decide_every_steps": args.decide_every_steps, "horizon_s": args.horizon_s,
                                      "budgets": [int(b) for b in args.budgets.split(",")], "fixed_budget": args.fixed_budget,
                                      "periodic_rounds": args.periodic_rounds, "periodic_budget": args.periodic_budget,
-                                     "guard_window": args.guard_window, "lr": args.lr},
+                                     "guard_window": args.guard_window, "lr": args.lr,
+                                     "explore_after_harm": args.explore_after_harm},
                       "model": args.model, "dtype": args.dtype, "drafter": args.drafter, "stream": stream.name,
                       "phases": phases, "requests_per_phase": {p.name: p.requests for p in stream.phases},
                       "max_new_tokens": args.max_new_tokens, "lossless_reference": runs[0].name,

@@ -232,6 +232,31 @@ def test_bandit_prefers_the_arm_with_the_best_net_reward():
         BanditConfig(budgets=(32, 128))
 
 
+def test_bandit_explores_cheapest_first_and_not_past_a_harmful_arm():
+    """A candidate whose whole gain interval is below zero blocks exploring dearer budgets (they
+    would train longer in the same direction); a later non-harmful estimate lifts the block."""
+    bandit = CostAwareBandit(BanditConfig(budgets=(0, 32, 128, 512)))
+    assert bandit.choose() == 32
+    bandit.record(32, -17.0, harmful=True)  # gated: tau_new CI below tau_old
+    assert [bandit.choose() for _ in range(5)] == [0] * 5  # neither 128 nor 512 is explored
+    for _ in range(5):
+        bandit.record(0, 0.0)
+    bandit.record(32, -3.0, harmful=False)  # the same budget, now with an interval reaching above 0
+    assert bandit.choose() == 128
+    bandit.record(128, -60.0, harmful=None)  # no estimate: 128 keeps its flag (clear)
+    assert bandit.choose() == 512
+    # The previous behaviour: every untried arm is explored whatever the cheaper ones showed.
+    plain = CostAwareBandit(BanditConfig(budgets=(0, 32, 128, 512), explore_after_harm=True))
+    chosen = []
+    for _ in range(3):
+        arm = plain.choose()
+        chosen.append(arm)
+        plain.record(arm, -10.0, harmful=True)
+    assert chosen == [32, 128, 512]
+    with pytest.raises(ConfigError, match="explore_after_harm must be true or false"):
+        BanditConfig(explore_after_harm="yes")
+
+
 def test_rollback_restores_previous_weights_when_live_tau_collapses():
     target = _target()
     live = _drafter("eagle3", target)
