@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
-from speculation.output_head import use_transposed_head
+from speculation.output_head import onednn_available, pack_linears, use_transposed_head
 
 if TYPE_CHECKING:  # pragma: no cover - imported lazily at run time (slow import)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -639,7 +639,9 @@ def load_model(
     name: str | ModelSource, dtype: torch.dtype = torch.float32, layers: range | None = None
 ) -> "PreTrainedModel":
     """Load a causal LM in eval mode with SDPA attention (see :func:`resolve_model` for ``name``),
-    its output head stored transposed for fast decode steps
+    its linear layers packed for oneDNN where torch has it
+    (:func:`~speculation.output_head.pack_linears`: decode steps and verify passes run on the
+    CPU's fast GEMM kernels), else its output head stored transposed
     (:func:`~speculation.output_head.use_transposed_head`).
 
     ``layers``: keep only these decoder layers (a pipeline shard's range); the others are
@@ -665,6 +667,8 @@ def load_model(
                 decoder[i] = torch.nn.Module()
     if layers is None or layers.stop == len(model.model.layers):  # the shard (or model) that owns the head
         use_transposed_head(model)
+    if onednn_available():
+        pack_linears(model)
     return model.eval()
 
 

@@ -1,4 +1,5 @@
-"""The transposed output head: same products as ``nn.Linear``, same tied weight, nothing new saved."""
+"""The transposed output head and the oneDNN-packed linear layers: same products as ``nn.Linear``
+(to rounding), same tied weight, nothing new saved."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import torch
 from torch import nn
 
 from speculation import assets
-from speculation.output_head import TransposedHead, use_transposed_head
+import pytest
+
+from speculation.output_head import PackedLinear, TransposedHead, onednn_available, pack_linears, use_transposed_head
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch has no oneDNN on this platform")
 
 
 def test_transposed_head_computes_the_linear_product_with_or_without_bias():
@@ -22,17 +27,44 @@ def test_transposed_head_computes_the_linear_product_with_or_without_bias():
         assert head(x).shape == (3, 5, 40)
 
 
-def test_the_loaded_target_reads_its_tied_weight_through_the_transposed_head():
+@needs_onednn
+def test_packed_linear_computes_the_linear_product_and_falls_back_for_autograd():
+    gen = torch.Generator().manual_seed(0)
+    for bias in (False, True):
+        lin = nn.Linear(16, 40, bias=bias)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(40, 16, generator=gen))
+        packed = PackedLinear(lin)
+        assert packed.weight is lin.weight and packed.bias is lin.bias
+        x = torch.randn(3, 5, 16, generator=gen)
+        with torch.inference_mode():
+            y = packed(x)
+            torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
+        assert y.shape == (3, 5, 40)
+    # With autograd on, the product goes through F.linear and has a gradient.
+    x = torch.randn(2, 16, generator=gen, requires_grad=True)
+    packed(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == (2, 16)
+    # A TransposedHead is packed too, keeping its (tied) parameter.
+    head = TransposedHead(nn.Linear(16, 40, bias=False))
+    holder = nn.Sequential(nn.Linear(16, 16), head)
+    assert pack_linears(holder) == 2 and all(isinstance(m, PackedLinear) for m in holder)
+    assert holder[1].weight is head.weight
+
+
+def test_the_loaded_target_keeps_its_tied_head_and_state_dict():
     model = assets.load_model("smollm2-135m", torch.float32)
     head = model.get_output_embeddings()
-    assert isinstance(head, TransposedHead)
+    assert isinstance(head, PackedLinear if onednn_available() else TransposedHead)
     assert head.weight is model.get_input_embeddings().weight  # still tied: no second parameter
-    assert torch.equal(head.weight_t, head.weight.t())
-    assert not any(k.endswith("weight_t") for k in model.state_dict())  # checkpoints are unchanged
+    saved = model.state_dict()
+    assert not any(k.endswith(("weight_t", "packed")) for k in saved)  # checkpoints are unchanged
+    if onednn_available():  # every linear layer of the decoder is packed
+        assert not any(type(m) is nn.Linear for m in model.modules())
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.inference_mode():
         out = model(input_ids=ids).logits
         hidden = model.model(input_ids=ids).last_hidden_state
         ref = nn.functional.linear(hidden, head.weight)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert use_transposed_head(model) is False  # already transposed: nothing to do
+    assert use_transposed_head(model) is False  # already replaced: nothing to do
