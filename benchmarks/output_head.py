@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     from speculation.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
-    fast = model.get_output_embeddings()
-    assert isinstance(fast, TransposedHead)
-    linear = nn.Linear(fast.in_features, fast.out_features, bias=fast.bias is not None)
-    linear.weight, linear.bias = fast.weight, fast.bias  # the same tied parameters
+    loaded = model.get_output_embeddings()  # packed for oneDNN where torch has it (the other
+    # layers stay as load_model leaves them; benchmarks/linear_kernels.py compares all layers)
+    linear = nn.Linear(loaded.in_features, loaded.out_features, bias=loaded.bias is not None)
+    linear.weight, linear.bias = loaded.weight, loaded.bias  # the same tied parameters
+    fast = loaded if isinstance(loaded, TransposedHead) else TransposedHead(linear)
     heads = {"linear": linear, "transposed": fast}
     target = TargetModel(model, tok)
     prompts = [assets.encode_turn(tok, [], q.turns[0]) for q in assets.load_questions("spec_bench", args.questions)]

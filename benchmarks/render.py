@@ -44,6 +44,7 @@ SECTIONS: dict[str, str] = {
     "serve_load_threads_2": "Serving: replica torch threads, 2 (80 requests; pair of the previous table)",
     "goodput_calibration_n16_fp32": "Goodput rule: predicted against measured step seconds, side by side with batched vanilla (N = 16, fp32)",
     "output_head_fp32": "Target output head: nn.Linear against the transposed head, vanilla decoding side by side (fp32)",
+    "linear_kernels_fp32": "Target linear kernels: F.linear, transposed head, oneDNN-packed layers; vanilla and retrieval side by side (fp32)",
     "cost_correction_fp32": "Solo cost-aware retrieval: a c(T) measured on a busy host, frozen against corrected online (fp32)",
 }
 
@@ -308,6 +309,21 @@ def render_adapt(res: dict) -> list[str]:
     return lines
 
 
+def render_linear_kernels(res: dict) -> list[str]:
+    """Vanilla and retrieval under each linear-kernel arm, interleaved prompt by prompt."""
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['prompts']} Spec-Bench first turns, "
+             f"{res['max_new_tokens']} new tokens, greedy; every arm on the same model object, prompt by prompt.", "",
+             "| kernels | method | tok/s | vs linear vanilla | tokens identical to linear vanilla | head ms, M = 1 | head ms, M = 8 |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, per in res["tokens_per_s"].items():
+        for method, rate in per.items():
+            h = res["head_product_s"][arm]
+            lines.append(f"| {arm} | {method} | {_f(rate, 1)} | {_f(res['speedup_vs_linear_vanilla'][arm][method], 2, '×')} | "
+                         f"{_f(res['identical_to_linear_vanilla'][arm][method])} | {_f(h['M=1'] * 1000, 2)} | "
+                         f"{_f(h['M=8'] * 1000, 2)} |")
+    return lines
+
+
 def render_output_head(res: dict) -> list[str]:
     """Vanilla decoding with each output head, interleaved prompt by prompt."""
     shape = res["head_shape"]
@@ -423,6 +439,8 @@ def main() -> int:
             out += render_output_head(res)
         elif kind == "adapt_bench":
             out += render_adapt(res)
+        elif kind == "linear_kernels":
+            out += render_linear_kernels(res)
         elif kind == "sweep_heldout":
             out += render_sweep_heldout(res)
         elif kind == "cost_correction":
