@@ -665,10 +665,11 @@ def load_model(
         for i in range(len(decoder)):
             if i not in layers:
                 decoder[i] = torch.nn.Module()
-    if layers is None or layers.stop == len(model.model.layers):  # the shard (or model) that owns the head
-        use_transposed_head(model)
+    owns_head = layers is None or layers.stop == len(model.model.layers)  # the shard (or model) that serves it
     if onednn_available():
-        pack_linears(model)
+        pack_linears(model, skip=None if owns_head else model.get_output_embeddings())
+    elif owns_head:
+        use_transposed_head(model)
     return model.eval()
 
 

@@ -92,13 +92,16 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, skip: nn.Module | None = None) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` (the output head included, a
-    :class:`TransposedHead` too) by a :class:`PackedLinear`; returns how many. For inference
-    targets on the CPU: the packed copies are not updated if the weights change."""
+    :class:`TransposedHead` too) except ``skip`` (e.g. the head of a pipeline shard that never
+    runs it) by a :class:`PackedLinear`; returns how many. For inference targets on the CPU: the
+    packed copies are not updated if the weights change."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
+            if child is skip:
+                continue
             if type(child) is nn.Linear or isinstance(child, TransposedHead):
                 setattr(module, name, PackedLinear(child))
                 count += 1

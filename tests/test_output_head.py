@@ -3,46 +3,38 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from speculation import assets
-import pytest
-
 from speculation.output_head import PackedLinear, TransposedHead, onednn_available, pack_linears, use_transposed_head
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch has no oneDNN on this platform")
 
 
-def test_transposed_head_computes_the_linear_product_with_or_without_bias():
+@pytest.mark.parametrize("kind", [TransposedHead, pytest.param(PackedLinear, marks=needs_onednn)])
+def test_replacement_computes_the_linear_product_with_or_without_bias(kind):
     gen = torch.Generator().manual_seed(0)
     for bias in (False, True):
         lin = nn.Linear(16, 40, bias=bias)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(40, 16, generator=gen))
-        head = TransposedHead(lin)
+        fast = kind(lin)
+        assert fast.weight is lin.weight and fast.bias is lin.bias  # the same parameters, not copies
         x = torch.randn(3, 5, 16, generator=gen)
-        assert head.weight is lin.weight and (head.bias is lin.bias)
-        torch.testing.assert_close(head(x), lin(x), rtol=1e-5, atol=1e-5)
-        assert head(x).shape == (3, 5, 40)
+        with torch.inference_mode():
+            y = fast(x)
+            torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
+        assert y.shape == (3, 5, 40)
 
 
 @needs_onednn
-def test_packed_linear_computes_the_linear_product_and_falls_back_for_autograd():
-    gen = torch.Generator().manual_seed(0)
-    for bias in (False, True):
-        lin = nn.Linear(16, 40, bias=bias)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(40, 16, generator=gen))
-        packed = PackedLinear(lin)
-        assert packed.weight is lin.weight and packed.bias is lin.bias
-        x = torch.randn(3, 5, 16, generator=gen)
-        with torch.inference_mode():
-            y = packed(x)
-            torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
-        assert y.shape == (3, 5, 40)
+def test_packed_linear_falls_back_for_autograd_and_packs_heads_except_skipped():
+    lin = nn.Linear(16, 40)
+    packed = PackedLinear(lin)
     # With autograd on, the product goes through F.linear and has a gradient.
-    x = torch.randn(2, 16, generator=gen, requires_grad=True)
+    x = torch.randn(2, 16, requires_grad=True)
     packed(x).sum().backward()
     assert x.grad is not None and x.grad.shape == (2, 16)
     # A TransposedHead is packed too, keeping its (tied) parameter.
@@ -50,6 +42,16 @@ def test_packed_linear_computes_the_linear_product_and_falls_back_for_autograd()
     holder = nn.Sequential(nn.Linear(16, 16), head)
     assert pack_linears(holder) == 2 and all(isinstance(m, PackedLinear) for m in holder)
     assert holder[1].weight is head.weight
+    # ``skip`` leaves one layer alone (a pipeline shard's head it never runs).
+    other = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 40))
+    assert pack_linears(other, skip=other[1]) == 1 and type(other[1]) is nn.Linear
+
+
+@needs_onednn
+def test_a_shard_without_the_head_does_not_pack_it():
+    model = assets.load_model("smollm2-135m", torch.float32, layers=range(0, 2))
+    assert type(model.get_output_embeddings()) is nn.Linear  # no packed copy of the largest weight
+    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
 
 
 def test_the_loaded_target_keeps_its_tied_head_and_state_dict():
