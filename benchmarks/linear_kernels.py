@@ -15,7 +15,6 @@ arm's vanilla tokens, and the median seconds of the output head's product at M =
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from speculation import assets
-    from speculation.bench.runner import emit_json, environment
+    from speculation.bench.runner import emit_json, environment, median_call_s
     from speculation.config import EngineConfig, SamplingConfig
     from speculation.drafters import build_drafter, resolve_methods
     from speculation.engine import generate_speculative, generate_vanilla
@@ -104,13 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             head_s[arm] = {}
             for rows in (1, 8):
                 x = torch.randn(1, rows, head.in_features, dtype=head.weight.dtype)
-                times = []
-                for i in range(60):
-                    t0 = time.perf_counter()
-                    head(x)
-                    if i >= 10:
-                        times.append(time.perf_counter() - t0)
-                head_s[arm][f"M={rows}"] = statistics.median(times)
+                head_s[arm][f"M={rows}"] = median_call_s(lambda: head(x))
     _use(arms["packed"])
     rates = {a: {m: t["tokens"] / t["seconds"] for m, t in per.items()} for a, per in totals.items()}
     ref = outputs["linear"]["vanilla"]

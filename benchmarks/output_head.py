@@ -13,7 +13,6 @@ median seconds of the head's product alone at M = 1.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from speculation import assets
-    from speculation.bench.runner import emit_json, environment
+    from speculation.bench.runner import emit_json, environment, median_call_s
     from speculation.config import EngineConfig, SamplingConfig
     from speculation.engine import generate_vanilla
     from speculation.output_head import TransposedHead
@@ -61,18 +60,10 @@ def main(argv: list[str] | None = None) -> int:
                 totals[name]["seconds"] += time.perf_counter() - t0
                 totals[name]["tokens"] += len(toks)
                 outputs[name].append(toks)
-    model.set_output_embeddings(fast)
+    model.set_output_embeddings(loaded)
     x = torch.randn(1, 1, fast.in_features, dtype=fast.weight.dtype)
-    product_s = {}
     with torch.inference_mode():
-        for name, head in heads.items():
-            times = []
-            for i in range(60):
-                t0 = time.perf_counter()
-                head(x)
-                if i >= 10:
-                    times.append(time.perf_counter() - t0)
-            product_s[name] = statistics.median(times)
+        product_s = {name: median_call_s(lambda h=head: h(x)) for name, head in heads.items()}
     rates = {h: t["tokens"] / t["seconds"] for h, t in totals.items()}
     out = {
         "kind": "output_head", "command": " ".join(["benchmarks/output_head.py", *(argv if argv is not None else sys.argv[1:])]),

@@ -256,6 +256,11 @@ def render_sweep_heldout(res: dict) -> list[str]:
     return lines
 
 
+def _cost_total_s(cost: dict) -> float:
+    """C(a) of a serialised ``CostEstimate`` (its ``total_s`` property is not in the JSON)."""
+    return cost["train_s"] * cost["contention"] + cost["sync_s"]
+
+
 def render_adapt(res: dict) -> list[str]:
     """adapt-bench: policies on one domain-shifting stream, tokens/s net of update cost, decisions."""
     pol = res["policies"]
@@ -288,7 +293,7 @@ def render_adapt(res: dict) -> list[str]:
         if not rounds:
             continue
         if not any(d.get("gain") for d in rounds):  # always / periodic: no estimate, just the spend
-            costs = [d["cost"]["train_s"] * d["cost"]["contention"] + d["cost"]["sync_s"] for d in rounds if d.get("cost")]
+            costs = [_cost_total_s(d["cost"]) for d in rounds if d.get("cost")]
             outcomes = sorted({d["outcome"] for d in rounds})
             lines += ["", f"`{name}`: {len(rounds)} of {len(p.get('decisions', []))} rounds trained "
                       f"({', '.join(outcomes)}; arms {sorted({d['arm'] for d in rounds})} steps), priced cost "
@@ -300,8 +305,7 @@ def render_adapt(res: dict) -> list[str]:
                   "|---|---|---|---|---|---|---|---|"]
         for d in rounds:
             g = d.get("gain") or {}
-            cost = d.get("cost") or {}
-            total = cost.get("train_s", 0.0) * cost.get("contention", 1.0) + cost.get("sync_s", 0.0) if cost else None
+            total = _cost_total_s(d["cost"]) if d.get("cost") else None
             lines.append(f"| {d['round']} | {d['arm']} | {d['outcome']} | {_f(g.get('tau_old'), 3)} | "
                          f"{_f(g.get('tau_new'), 3)} [{_f(g.get('tau_new_lo'), 3)}, {_f(g.get('tau_new_hi'), 3)}] | "
                          f"{_f(g.get('gain_s'), 2)} [{_f(g.get('gain_lo_s'), 2)}, {_f(g.get('gain_hi_s'), 2)}] | "

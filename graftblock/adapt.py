@@ -430,7 +430,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
             f"{r.name} tau={r.taus[-1]:.2f} " + (f"arm={r.arms[-1]}" if r.adapter is not None else f"v{r.controller.version}")
             for r in runs), flush=True)
 
-    result = _summarise(args, runs, stream_spec)
+    result = _summarise(args, runs, stream_spec, budgets)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -476,7 +476,8 @@ def plot_tau(result: dict[str, Any], path: Path, window: int = 4) -> Path:
     return path
 
 
-def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamSpec) -> dict[str, Any]:
+def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamSpec,
+               budgets: tuple[int, ...]) -> dict[str, Any]:
     ref = runs[0].tokens
     phases = [p.name for p in stream.phases]
     policies: dict[str, Any] = {}
@@ -518,7 +519,7 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
             ("json", args.json)) if v is not None)
     return _jsonable({"kind": "adapt_bench", "command": command, "env": environment(),
                       "controller": {"decide_every_steps": args.decide_every_steps, "horizon_s": args.horizon_s,
-                                     "budgets": [int(b) for b in args.budgets.split(",")], "fixed_budget": args.fixed_budget,
+                                     "budgets": list(budgets), "fixed_budget": args.fixed_budget,
                                      "periodic_rounds": args.periodic_rounds, "periodic_budget": args.periodic_budget,
                                      "guard_window": args.guard_window, "lr": args.lr,
                                      "explore_after_harm": args.explore_after_harm},

@@ -12,6 +12,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -41,6 +42,17 @@ def emit_json(result: dict, path: Path | None) -> None:
     print(text)
     if path is not None:
         path.write_text(text)
+
+
+def median_call_s(fn: Callable[[], Any], calls: int = 60, warmup: int = 10) -> float:
+    """Median wall seconds of ``fn()`` over ``calls`` calls, the first ``warmup`` not counted."""
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def environment() -> dict:
