@@ -17,6 +17,14 @@ the 32-, 128- and 512-step candidates all lowered tau, and exploring the 512-ste
 more than the static policy's whole run.) A later non-harmful estimate of the cheaper arm lifts
 the block. ``explore_after_harm: true`` restores plain UCB exploration.
 
+**Re-trying as the data grows.** An arm's reward is conditional on the feedback it was trained
+on: with a few hundred positions a candidate memorises them and loses held-out tau; with a few
+thousand the same budget raises it (``benchmarks/online_knobs.py``). So an arm's statistics go
+*stale* once the train part holds ``retry_growth`` times the positions of the arm's latest
+estimate: a stale arm is treated as untried (explored cheapest-first, its old statistics and harm
+flag dropped when its new reward arrives). The train part is bounded, so each arm is re-tried at
+most ``log_growth(max / first)`` times: exploration cost stays bounded.
+
 **Gate.** A trained candidate is applied only when the lower confidence bound of its held-out
 gain beats its cost, ``G_lo > C(a)`` (:mod:`adaptation.gain`, :mod:`adaptation.cost_model`).
 
@@ -45,12 +53,15 @@ class BanditConfig:
     """Attributes:
         budgets: arm budgets in optimizer steps, increasing, starting with 0 (skip).
         ucb_scale: exploration bonus scale, seconds. >= 0.
+        retry_growth: an arm goes stale (is re-tried as untried) once the train part holds this
+            many times the positions of its latest estimate (module docstring). > 1; ``inf`` = never.
     """
 
     budgets: tuple[int, ...] = (SKIP, 32, 128, 512)
     ucb_scale: float = 1.0
     explore_after_harm: bool = False
     """Explore a dearer untried arm even after a cheaper arm's estimate was harmful (module doc)."""
+    retry_growth: float = 2.0
 
     def __post_init__(self) -> None:
         b = self.budgets
@@ -60,6 +71,8 @@ class BanditConfig:
             raise ConfigError(f"adapt.bandit.ucb_scale must be >= 0, got {self.ucb_scale}")
         if not isinstance(self.explore_after_harm, bool):
             raise ConfigError(f"adapt.bandit.explore_after_harm must be true or false, got {self.explore_after_harm!r}")
+        if not self.retry_growth > 1:
+            raise ConfigError(f"adapt.bandit.retry_growth must be > 1 (inf = never re-try), got {self.retry_growth!r}")
 
 
 def gate(gain_lo_s: float, cost_s: float) -> bool:
@@ -73,6 +86,12 @@ class ArmStats:
     reward_sum: float = 0.0
     harmful: bool = False
     """The arm's latest held-out estimate had its whole gain interval below zero."""
+    positions: int = 0
+    """Train positions behind the arm's latest reward (0: unknown / never pulled)."""
+
+    def stale(self, positions: int, growth: float) -> bool:
+        """Whether the train part (``positions``) has grown ``growth``-fold since the latest reward."""
+        return self.pulls > 0 and self.positions > 0 and positions >= growth * self.positions
 
     @property
     def mean(self) -> float:
@@ -94,14 +113,14 @@ class CostAwareBandit:
         for b in self.config.budgets:
             self.stats.setdefault(b, ArmStats())
 
-    def choose(self) -> int:
-        """The arm (budget) of the next round."""
+    def choose(self, positions: int = 0) -> int:
+        """The arm (budget) of the next round, with ``positions`` train positions buffered."""
         self.rounds += 1
         best, best_v = SKIP, 0.0
         harm_below = False  # a cheaper arm's latest estimate was harmful
         for b in self.config.budgets[1:]:
             s = self.stats[b]
-            if s.pulls == 0:
+            if s.pulls == 0 or s.stale(positions, self.config.retry_growth):
                 if harm_below and not self.config.explore_after_harm:
                     continue
                 return b
@@ -112,11 +131,16 @@ class CostAwareBandit:
         return best
 
     def record(self, arm: int, reward: float, counterfactual: dict[int, float] | None = None,
-               harmful: bool | None = None) -> None:
+               harmful: bool | None = None, positions: int = 0) -> None:
         """The realised reward of ``arm`` this round (and estimated rewards of other arms, if known);
         ``harmful``: whether this round's held-out estimate of ``arm`` had ``G_hi < 0`` (None: no
-        estimate, the flag is kept)."""
+        estimate, the flag is kept); ``positions``: the train positions the arm was trained on (a
+        stale arm's old statistics are dropped first)."""
         s = self.stats[arm]
+        if arm != SKIP and s.stale(positions, self.config.retry_growth):
+            s.pulls, s.reward_sum, s.harmful = 0, 0.0, False
+        if arm != SKIP and positions:
+            s.positions = positions
         s.pulls += 1
         s.reward_sum += reward
         if harmful is not None:

@@ -69,6 +69,9 @@ class ControllerConfig:
         periodic_rounds: rounds between ``periodic`` updates. >= 1.
         periodic_budget: optimizer steps of a ``periodic`` update. >= 1.
         min_train_sequences: finished requests in the train part before any update. >= 1.
+        min_train_positions: train positions (tokens with features) before any update. >= 0.
+            Below a few hundred, a candidate memorises its feedback and lowers held-out tau
+            (``benchmarks/online_knobs.py``), so exploring then only spends.
         buffer, online, replay, cost, bandit, guard: the parts' configs.
     """
 
@@ -79,6 +82,7 @@ class ControllerConfig:
     periodic_rounds: int = 4
     periodic_budget: int = 128
     min_train_sequences: int = 1
+    min_train_positions: int = 0
     buffer: BufferConfig = field(default_factory=BufferConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -91,6 +95,8 @@ class ControllerConfig:
         for name in ("decide_every_steps", "fixed_budget", "periodic_rounds", "periodic_budget", "min_train_sequences"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"adapt.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_train_positions < 0:
+            raise ConfigError(f"adapt.min_train_positions must be >= 0, got {self.min_train_positions}")
         if not self.horizon_s > 0:
             raise ConfigError(f"adapt.horizon_s must be > 0, got {self.horizon_s}")
 
@@ -160,7 +166,7 @@ class AdaptationController:
         self.on_decision: Callable[[Decision], None] | None = None
         self._steps_since = 0
         self._rounds = 0
-        self._pending: tuple[int, CostEstimate, GainEstimate | None] | None = None
+        self._pending: tuple[int, CostEstimate, GainEstimate | None, int] | None = None
         self._last_wall: dict[object, float] = {}
         self._busy: list[tuple[float, float]] = []
         self._lock = threading.RLock()
@@ -203,10 +209,10 @@ class AdaptationController:
         with self._lock:
             self._rounds += 1
             cfg = self.config
-            arm = self._arm()
-            cost = self.cost.cost(arm)
             train = self.buffer.train_sequences()
-            if arm == SKIP or len(train) < cfg.min_train_sequences:
+            positions = sum(s.length for s in train)
+            arm = self._arm(positions)
+            if arm == SKIP or len(train) < cfg.min_train_sequences or positions < cfg.min_train_positions:
                 if cfg.policy is Policy.COST_AWARE and arm == SKIP:
                     self.bandit.record(SKIP, 0.0)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
@@ -223,13 +229,13 @@ class AdaptationController:
             est = self.estimate(result.state)
             if not gate(est.gain_lo_s, cost.total_s):
                 reward = -cost.train_s * cost.contention
-                self.bandit.record(arm, reward, {arm: reward}, harmful=est.gain_hi_s < 0)
+                self.bandit.record(arm, reward, {arm: reward}, harmful=est.gain_hi_s < 0, positions=positions)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.GATED, cost, est, train_s,
                                           loss=result.mean_loss, reward_s=reward))
-            return self.apply(result.state, arm, cost, est, train_s, result.mean_loss)
+            return self.apply(result.state, arm, cost, est, train_s, result.mean_loss, positions)
 
     def apply(self, state: StateDict, arm: int, cost: CostEstimate, est: GainEstimate | None = None,
-              train_s: float = 0.0, loss: float = math.nan) -> Decision:
+              train_s: float = 0.0, loss: float = math.nan, positions: int = 0) -> Decision:
         """Publish ``state`` as an update of arm ``arm`` and watch it with the swap guard (the
         previous weights are kept for a rollback; the arm's reward is credited when the window closes)."""
         with self._lock:
@@ -237,11 +243,11 @@ class AdaptationController:
             previous = self.weights
             sync_s = self._publish(state)
             self.guard.arm(previous, tau_pre)
-            self._pending = (arm, cost, est)
+            self._pending = (arm, cost, est, positions)
             return self._log(Decision(self._rounds, self.config.policy, arm, Outcome.APPLIED, cost, est, train_s,
                                       sync_s, loss, tau_pre=tau_pre))
 
-    def _arm(self) -> int:
+    def _arm(self, positions: int) -> int:
         cfg = self.config
         if cfg.policy is Policy.STATIC:
             return SKIP
@@ -249,7 +255,7 @@ class AdaptationController:
             return cfg.fixed_budget
         if cfg.policy is Policy.PERIODIC:
             return cfg.periodic_budget if self._rounds % cfg.periodic_rounds == 0 else SKIP
-        return self.bandit.choose()
+        return self.bandit.choose(positions)
 
     def estimate(self, candidate: StateDict) -> GainEstimate:
         """Replay the held-out feedback with the live and the candidate weights (:mod:`adaptation.gain`)."""
@@ -274,7 +280,7 @@ class AdaptationController:
 
     def _close_watch(self, verdict: GuardVerdict) -> None:
         assert self._pending is not None
-        arm, cost, est = self._pending
+        arm, cost, est, positions = self._pending
         self._pending = None
         tau_pre, tau_post = self.guard.tau_pre, self.guard.tau_post
         step_s = self.cost.serving_step_s
@@ -286,7 +292,8 @@ class AdaptationController:
             sync_s = self._publish(previous)
         reward = realised - cost.total_s
         counter = {arm: reward}
-        self.bandit.record(arm, reward, counter, harmful=None if est is None else est.gain_hi_s < 0)
+        self.bandit.record(arm, reward, counter, harmful=None if est is None else est.gain_hi_s < 0,
+                           positions=positions)
         outcome = Outcome.ROLLED_BACK if verdict is GuardVerdict.ROLLBACK else Outcome.KEPT
         self._log(Decision(self._rounds, self.config.policy, arm, outcome, cost, est, sync_s=sync_s,
                            tau_pre=tau_pre, tau_post=tau_post, realised_gain_s=realised, reward_s=reward))

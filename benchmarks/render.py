@@ -28,6 +28,9 @@ SECTIONS: dict[str, str] = {
     "graft_asdiv_fp32": "Graft ablation on ASDiv, a dataset not used while building Graft (fp32)",
     "adapt_domain_shift_eagle3_fp32": "Online adaptation: policies on the domain-shift stream, EAGLE-3 (fp32)",
     "adapt_domain_shift_eagle3_fp32_cheapest_first": "Online adaptation: cost-aware with cheapest-first exploration against static, EAGLE-3 (fp32)",
+    "adapt_domain_shift_eagle3_fp32_data_aware": "Online adaptation: cost-aware with a data floor and re-tries as the buffer grows, against static, 40 requests per phase, EAGLE-3 (fp32)",
+    "online_knobs_eagle3_code_fp32": "Online updates: learning rate, share of accepted positions, optimizer steps, on HumanEval feedback (EAGLE-3, fp32)",
+    "online_knobs_eagle3_chat_fp32": "Online updates: how much feedback a candidate needs, on chat feedback (EAGLE-3, fp32)",
     "sweep_graft_heldout_fp32": "Graft over SpecBlock: Optuna sweep on 4 Spec-Bench categories, best configuration on the 9 held out (fp32)",
     "specblock_specbench_bf16": "SpecBlock against EAGLE-3, and its ablations (bf16)",
     "specblock_giveup_bf16": "SpecBlock: the rank head's give-up class stops a branch (widths 2/4/6/0 against 2/4/6/4, bf16)",
@@ -186,6 +189,17 @@ def render_serve_load(res: dict) -> list[str]:
                      f"{_ms(off['itl_p50_s'])} / {_ms(off['itl_p99_s'])} | – | {_f(off.get('tau'))} |")
         lines += ["", f"Serving throughput / offline throughput: **{_f(res['serving_over_offline'], 2)}** "
                       f"(target ≥ 0.80)."]
+    if res.get("per_phase"):
+        lines += ["", "Per phase of the stream (a request counts in its prompt's phase; seconds from the previous "
+                      "phase's last finish):", "", "| phase | requests | tokens | tok/s | mean tau |", "|---|---|---|---|---|"]
+        for ph, r in res["per_phase"].items():
+            lines.append(f"| {ph} | {r['requests']} | {r['tokens']} | {_f(r['tokens_per_s'], 1)} | {_f(r['tau_mean'], 3)} |")
+        lrn = res.get("learner") or {}
+        dec = ", ".join(f"{k} {int(v)}" for k, v in sorted((lrn.get("decisions") or {}).items())) or "none"
+        lines += ["", f"Learner (scraped from `/metrics` at the end): decisions: {dec}; swaps "
+                      f"{int(lrn.get('swaps', 0))}, rollbacks {int(lrn.get('rollbacks', 0))}, weights version "
+                      f"{int(lrn.get('weights_version', 0))}; feedback records sent {int(lrn.get('feedback_sent', 0))}, "
+                      f"dropped {int(lrn.get('feedback_dropped', 0))}."]
     return lines
 
 
@@ -328,6 +342,24 @@ def render_linear_kernels(res: dict) -> list[str]:
     return lines
 
 
+def render_online_knobs(res: dict) -> list[str]:
+    """Candidate updates over a knob grid: held-out and train replay tau against the live weights."""
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, drafter `{res['drafter']}`; phase `{res['phase']}` of "
+             f"`{res['stream']}`: {res['requests']} requests of {res['max_new_tokens']} tokens served greedily "
+             f"(live tau {_f(res['live_tau'], 3)}), the last {res['heldout']} held out ({res['heldout_units']} replay "
+             f"units of {res['chunk']} positions). Every candidate starts from the live weights.", "",
+             "| train requests (positions) | lr | accepted kept | steps | loss | train s | held-out tau: live → candidate [CI] "
+             "| train tau: live → candidate |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lo, hi = r["tau_heldout_new_ci"]
+        lines.append(f"| {r['train_requests']} ({r['train_positions']}) | {r['lr']:g} | {r['accepted_keep']:g} | {r['steps']} | "
+                     f"{_f(r['mean_loss'], 3)} | {_f(r['train_s'], 0)} | {_f(r['tau_heldout_old'], 3)} → "
+                     f"**{_f(r['tau_heldout_new'], 3)}** [{_f(lo, 3)}, {_f(hi, 3)}] | {_f(r['tau_train_old'], 3)} → "
+                     f"{_f(r['tau_train_new'], 3)} |")
+    return lines
+
+
 def render_output_head(res: dict) -> list[str]:
     """Vanilla decoding with each output head, interleaved prompt by prompt."""
     shape = res["head_shape"]
@@ -445,6 +477,8 @@ def main() -> int:
             out += render_adapt(res)
         elif kind == "linear_kernels":
             out += render_linear_kernels(res)
+        elif kind == "online_knobs":
+            out += render_online_knobs(res)
         elif kind == "sweep_heldout":
             out += render_sweep_heldout(res)
         elif kind == "cost_correction":

@@ -78,10 +78,18 @@ class LearnerServeConfig:
     """Verify steps the swap guard watches after an applied update. Range [1, 100000]."""
     lr: float = 3e-4
     """AdamW learning rate of an update. Range (0, 1]."""
+    accepted_keep: float = 1.0
+    """Share of accepted (non-mistake) positions in the update loss; mistakes are always in. Range [0, 1]."""
     heldout_sequences: int = 4
     """Most recent requests kept apart for the gain replay. Range [1, 10000]."""
     min_train_sequences: int = 1
     """Finished requests in the train part before any update. Range [1, 10000]."""
+    min_train_positions: int = 0
+    """Train positions (generated tokens with features) buffered before any update: with fewer, a
+    candidate memorises its feedback. Range [0, 10000000]."""
+    retry_growth: float = 2.0
+    """The bandit re-tries an update budget once the train part holds this many times the positions
+    of its latest estimate (``.inf`` = never). Range (1, inf]."""
     max_queue: int = 256
     """Feedback records queued on the replica; a record arriving at a full queue is dropped
     (counted in ``graftblock_learner_feedback_dropped``), decode never waits. Range [1, 1000000]."""
@@ -119,6 +127,10 @@ class LearnerServeConfig:
                          ("max_inflight", 1024), ("torch_threads", 256)):
             _int(f"learner.{name}", getattr(self, name), 1, hi)
         _int("learner.max_restarts", self.max_restarts, 0, 1000)
+        _int("learner.min_train_positions", self.min_train_positions, 0, 10_000_000)
+        if isinstance(self.retry_growth, bool) or not isinstance(self.retry_growth, (int, float)) \
+                or not self.retry_growth > 1:
+            raise ConfigError(f"serve.learner.retry_growth must be a number > 1 (.inf = never), got {self.retry_growth!r}")
         budgets = tuple(self.budgets) if isinstance(self.budgets, (list, tuple)) else self.budgets
         if not isinstance(budgets, tuple) or not budgets:
             raise ConfigError(f"serve.learner.budgets must be a non-empty list of integers, got {self.budgets!r}")
@@ -130,6 +142,9 @@ class LearnerServeConfig:
         _seconds("learner.call_timeout_s", self.call_timeout_s, 3600.0)
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr <= 1:
             raise ConfigError(f"serve.learner.lr must be a number in (0, 1], got {self.lr!r}")
+        if isinstance(self.accepted_keep, bool) or not isinstance(self.accepted_keep, (int, float)) \
+                or not 0 <= self.accepted_keep <= 1:
+            raise ConfigError(f"serve.learner.accepted_keep must be a number in [0, 1], got {self.accepted_keep!r}")
         if isinstance(self.num_cpus, bool) or not isinstance(self.num_cpus, (int, float)) \
                 or not 0 <= self.num_cpus <= 64:
             raise ConfigError(f"serve.learner.num_cpus must be a number in [0, 64], got {self.num_cpus!r}")
@@ -355,8 +370,40 @@ def serve_config_from_dict(data: Mapping[str, Any] | None, where: str = "serve")
     return ServeConfig(**data)
 
 
-def load_serve_config(path: str | Path | None) -> ServeConfig:
-    """The config in YAML file ``path`` (None = the embedded default, ``ray_configs/serve_local.yaml``)."""
+def apply_sets(data: Mapping[str, Any], sets: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``data`` with each ``KEY=VALUE`` of ``sets`` applied (``--set``): VALUE is parsed as YAML,
+    KEY may be dotted (``learner.policy``) to set one key of a nested section. The result is
+    validated by :func:`serve_config_from_dict` like the file itself."""
+    import copy
+
+    import yaml
+
+    out = copy.deepcopy(dict(data))
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"--set expects KEY=VALUE (KEY may be dotted: learner.policy=static), got {item!r}")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {key}: the value {raw!r} is not valid YAML ({exc})") from None
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is {child!r}, not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_serve_config(path: str | Path | None, sets: list[str] | tuple[str, ...] = ()) -> ServeConfig:
+    """The config in YAML file ``path`` (None = the embedded default, ``ray_configs/serve_local.yaml``),
+    with the ``--set KEY=VALUE`` overrides ``sets`` applied (:func:`apply_sets`)."""
     p = Path(path) if path is not None else LOCAL_SERVE_CONFIG
     data = load_yaml_mapping(p, "--config", "serve option -> value")
-    return serve_config_from_dict(data, where=str(p))
+    where = str(p) + (" with --set" if sets else "")
+    return serve_config_from_dict(apply_sets(data, sets), where=where)

@@ -248,11 +248,18 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--explore-after-harm", action="store_true",
                    help="cost_aware: explore every budget even after a cheaper one's candidate lowered tau "
                         "(default: cheapest first, dearer budgets skipped after a harmful estimate)")
+    p.add_argument("--retry-growth", type=float, default=2.0,
+                   help="cost_aware: re-try an arm once the train part holds this many times the positions "
+                        "of its latest estimate (inf = never)")
+    p.add_argument("--min-train-positions", type=int, default=0,
+                   help="train positions (tokens with features) buffered before any update")
     p.add_argument("--fixed-budget", type=int, default=32, help="steps of an always-update round")
     p.add_argument("--periodic-rounds", type=int, default=4)
     p.add_argument("--periodic-budget", type=int, default=128)
     p.add_argument("--guard-window", type=int, default=32, help="verify steps watched after a swap")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--accepted-keep", type=float, default=1.0,
+                   help="share of accepted (non-mistake) positions in the update loss (mistakes always in)")
     p.add_argument("--unroll-steps", type=int, default=0, help="TTT steps / blocks per batch (0 = family default)")
     p.add_argument("--window-tokens", type=int, default=128, help="longest training window per sequence")
     p.add_argument("--heldout", type=int, default=4, help="held-out requests in the replay buffer")
@@ -378,8 +385,12 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     base = dict(
         decide_every_steps=args.decide_every_steps, horizon_s=args.horizon_s, fixed_budget=args.fixed_budget,
         periodic_rounds=args.periodic_rounds, periodic_budget=args.periodic_budget,
-        bandit=BanditConfig(budgets=budgets, explore_after_harm=args.explore_after_harm), guard=GuardConfig(window_steps=args.guard_window),
-        online=OnlineConfig(lr=args.lr, unroll_steps=args.unroll_steps, window_tokens=args.window_tokens),
+        min_train_positions=args.min_train_positions,
+        bandit=BanditConfig(budgets=budgets, explore_after_harm=args.explore_after_harm,
+                            retry_growth=args.retry_growth),
+        guard=GuardConfig(window_steps=args.guard_window),
+        online=OnlineConfig(lr=args.lr, accepted_keep=args.accepted_keep, unroll_steps=args.unroll_steps,
+                            window_tokens=args.window_tokens),
         buffer=BufferConfig(heldout_sequences=args.heldout),
     )
     if log is not None:
@@ -476,6 +487,26 @@ def plot_tau(result: dict[str, Any], path: Path, window: int = 4) -> Path:
     return path
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The adapt-bench command line that reproduces ``args``: the run's identity, then every other
+    option that differs from its default."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_adapt_parser(sub)
+    defaults = vars(sub.choices["adapt-bench"].parse_args(["--json", "-"]))
+    always = ("model", "dtype", "threads", "drafter", "config", "policies", "stream", "requests_per_phase",
+              "max_new_tokens")
+    rest = [k for k in vars(args) if k not in (*always, "json", "func") and k in defaults]
+    parts = ["graftblock adapt-bench"]
+    for k in (*always, *rest):
+        v = getattr(args, k)
+        if v is None or (k in rest and v == defaults[k]):
+            continue
+        flag = f"--{k.replace('_', '-')}"
+        parts.append(flag if v is True else f"{flag} {v}")
+    parts.append(f"--json {args.json}")
+    return " ".join(parts)
+
+
 def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamSpec,
                budgets: tuple[int, ...]) -> dict[str, Any]:
     ref = runs[0].tokens
@@ -511,18 +542,16 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
         }
     from speculation.bench.runner import environment
 
-    command = "graftblock adapt-bench " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in (
-            ("model", args.model), ("dtype", args.dtype), ("threads", args.threads), ("drafter", args.drafter),
-            ("config", args.config), ("policies", args.policies), ("stream", args.stream),
-            ("requests_per_phase", args.requests_per_phase), ("max_new_tokens", args.max_new_tokens),
-            ("json", args.json)) if v is not None)
+    command = _command(args)
     return _jsonable({"kind": "adapt_bench", "command": command, "env": environment(),
                       "controller": {"decide_every_steps": args.decide_every_steps, "horizon_s": args.horizon_s,
                                      "budgets": list(budgets), "fixed_budget": args.fixed_budget,
                                      "periodic_rounds": args.periodic_rounds, "periodic_budget": args.periodic_budget,
                                      "guard_window": args.guard_window, "lr": args.lr,
-                                     "explore_after_harm": args.explore_after_harm},
+                                     "accepted_keep": args.accepted_keep,
+                                     "explore_after_harm": args.explore_after_harm,
+                                     "retry_growth": args.retry_growth,
+                                     "min_train_positions": args.min_train_positions, "heldout": args.heldout},
                       "model": args.model, "dtype": args.dtype, "drafter": args.drafter, "stream": stream.name,
                       "phases": phases, "requests_per_phase": {p.name: p.requests for p in stream.phases},
                       "max_new_tokens": args.max_new_tokens, "lossless_reference": runs[0].name,

@@ -257,6 +257,41 @@ def test_bandit_explores_cheapest_first_and_not_past_a_harmful_arm():
         BanditConfig(explore_after_harm="yes")
 
 
+def test_bandit_retries_an_arm_once_the_train_part_has_grown():
+    """An arm's reward is conditional on the data it was trained on: its statistics go stale once
+    the train part holds ``retry_growth`` times the positions of its latest estimate."""
+    bandit = CostAwareBandit(BanditConfig(budgets=(0, 32, 128), retry_growth=2.0))
+    assert bandit.choose(300) == 32
+    bandit.record(32, -17.0, harmful=True, positions=300)
+    assert [bandit.choose(p) for p in (300, 450, 599)] == [0, 0, 0]  # not stale yet; 128 blocked by harm
+    for _ in range(3):
+        bandit.record(0, 0.0)
+    assert bandit.choose(600) == 32  # 2x the positions: re-tried as untried
+    bandit.record(32, 5.0, harmful=False, positions=600)
+    s = bandit.stats[32]
+    assert (s.pulls, s.reward_sum, s.harmful, s.positions) == (1, 5.0, False, 600)  # old -17 s dropped
+    assert bandit.choose(600) == 128  # the block is lifted
+    never = CostAwareBandit(BanditConfig(budgets=(0, 32), retry_growth=float("inf")))
+    never.choose(100)
+    never.record(32, -17.0, harmful=True, positions=100)
+    assert never.choose(10**9) == 0
+    with pytest.raises(ConfigError, match="adapt.bandit.retry_growth must be > 1"):
+        BanditConfig(retry_growth=1.0)
+
+
+def test_no_candidate_is_trained_before_min_train_positions():
+    buf = _buffer("eagle3")
+    positions = sum(s.length for s in buf.train_sequences())
+    for need, trained in ((positions + 1, False), (positions, True)):
+        ctl = _controller(_drafter("eagle3"), lambda state: None, min_train_positions=need,
+                          bandit=BanditConfig(budgets=(0, 4)))
+        ctl.buffer = buf
+        d = ctl.round()
+        assert (d.outcome is not Outcome.SKIPPED) == trained and d.arm == 4, (need, d)
+    with pytest.raises(ConfigError, match="adapt.min_train_positions must be >= 0"):
+        ControllerConfig(min_train_positions=-1)
+
+
 def test_rollback_restores_previous_weights_when_live_tau_collapses():
     target = _target()
     live = _drafter("eagle3", target)
