@@ -30,6 +30,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, 8000)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log serving runs to MLflow")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the config's)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key (repeatable; VALUE is YAML; KEY may be dotted, e.g. "
+                        "--set learner.policy=static --set max_sequences=2)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -40,7 +43,7 @@ def resolve_config(args: argparse.Namespace):
     from cluster.serve_config import load_serve_config
     from speculation.drafters import resolve_methods
 
-    cfg = load_serve_config(args.config).with_overrides(host=args.host, port=args.port,
+    cfg = load_serve_config(args.config, getattr(args, "sets", [])).with_overrides(host=args.host, port=args.port,
                                                          tracking_uri=args.tracking_uri)
     if args.port is not None and not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")

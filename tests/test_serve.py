@@ -482,6 +482,28 @@ def test_stalled_engine_fails_requests_and_reports_unhealthy():
         assert service.shutdown()
 
 
+def test_set_overrides_one_key_of_the_file_and_is_validated_like_it():
+    """``graftblock serve --set KEY=VALUE``: YAML values, dotted keys into sections, the same
+    validation as the file (errors name the key)."""
+    from cluster.serve_config import ConfigError, load_serve_config
+
+    path = Path(__file__).resolve().parent.parent / "ray_configs" / "serve_adaptive.yaml"
+    base = load_serve_config(path)
+    cfg = load_serve_config(path, ["learner.policy=static", "max_sequences=2", "batch={goodput: true}",
+                                   "learner.budgets=[0, 16]"])
+    assert (cfg.learner.policy, cfg.max_sequences, cfg.batch, cfg.learner.budgets) == ("static", 2, {"goodput": True},
+                                                                                     (0, 16))
+    assert cfg.learner.min_train_positions == base.learner.min_train_positions == 512  # the rest is the file's
+    assert base.learner.policy == "cost_aware" and base.method == "eagle3"
+    for sets, needle in ((["learner.policy"], "--set expects KEY=VALUE"), (["=3"], "--set expects KEY=VALUE"),
+                         (["model.name=x"], "--set model.name: model is 'smollm2-135m', not a section"),
+                         (["max_sequences=0"], "max_sequences"), (["bogus=1"], "unknown key(s) ['bogus']"),
+                         (["learner.policy=sometimes"], "serve.learner.policy must be one of")):
+        with pytest.raises(ConfigError) as e:
+            load_serve_config(path, sets)
+        assert needle in str(e.value), (sets, str(e.value))
+
+
 @pytest.mark.parametrize("name", ["serve_local.yaml", "serve_cluster.yaml"])
 def test_shipped_serve_configs_load_and_split_trees_by_goodput(name):
     """The configs the README points to validate, and batch with the goodput rule: without it, a

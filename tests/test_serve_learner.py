@@ -18,9 +18,11 @@ Runtime: ~40-60 s on 2 CPUs.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -123,7 +125,34 @@ def serve_until(client, twin, base: str, done, seed0: int, n: int = 20, limit: i
     raise AssertionError(f"learner condition not reached after {limit} requests: {learner_health(base)}")
 
 
+def _serve_load():
+    """``benchmarks/serve_load.py`` as a module (benchmarks/ is a folder of scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # --------------------------------------------------------------------------- no server
+def test_serve_load_reports_tau_per_phase_of_a_stream(capsys):
+    sl = _serve_load()
+    finished = [("chat", 10, 1.5, 1.0), ("code", 20, 2.0, 3.0), ("chat", 10, 1.7, 2.0), ("code", 20, None, 5.0)]
+    out = sl.per_phase(finished, ["chat", "code", "math"], 0.0)
+    assert list(out) == ["chat", "code"]  # stream order; a phase with no finished request is absent
+    assert out["chat"] == {"requests": 2, "tokens": 20, "tau_mean": pytest.approx(1.6), "seconds": 2.0,
+                           "tokens_per_s": 10.0}
+    assert out["code"]["seconds"] == 3.0 and out["code"]["tau_mean"] == 2.0  # a request without tau is not averaged
+    for argv, needle in ((["--requests-per-phase", "3"], "--requests-per-phase needs --stream"),
+                         (["--stream", "x.yaml", "--offline-baseline"], "does not take --stream")):
+        with pytest.raises(SystemExit):
+            sl.main(["--base-url", "http://127.0.0.1:9/v1", *argv])
+        assert needle in capsys.readouterr().err
+
+
 def test_learner_config_errors_name_the_field_and_the_local_default():
     from cluster.serve_config import ConfigError, load_serve_config, serve_config_from_dict
 
@@ -133,6 +162,9 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
                         ({"num_cpus": 100}, "serve.learner.num_cpus must be a number in [0, 64]"),
                         ({"call_timeout_s": 0}, "serve.learner.call_timeout_s must be a number of seconds"),
                         ({"lr": 2.0}, "serve.learner.lr must be a number in (0, 1]"),
+                        ({"retry_growth": 1}, "serve.learner.retry_growth must be a number > 1"),
+                        ({"accepted_keep": 1.5}, "serve.learner.accepted_keep must be a number in [0, 1]"),
+                        ({"min_train_positions": -5}, "serve.learner.min_train_positions must be an integer in [0, "),
                         ({"bogus": 1}, "serve.learner: unknown key(s) ['bogus']")]:
         with pytest.raises(ConfigError) as e:
             serve_config_from_dict({"learner": bad})
@@ -140,6 +172,10 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
     local = load_serve_config(None)  # the embedded default: learner on, but its method is not learnable
     assert local.learner.enabled and local.method == "retrieval"
     assert serve_config_from_dict(local.replica_dict()) == local
+    from cluster.serve_learner import controller_config
+
+    ctl = controller_config(serve_config_from_dict({"learner": {"min_train_positions": 700, "retry_growth": 3.0, "accepted_keep": 0.5}}).learner)
+    assert ctl.min_train_positions == 700 and ctl.bandit.retry_growth == 3.0 and ctl.online.accepted_keep == 0.5
 
 
 def test_a_method_that_is_not_learnable_gets_a_noop_learner_and_says_so(caplog):
@@ -230,6 +266,10 @@ def test_outputs_equal_vanilla_across_weight_swaps(app, client, twin):
     assert metric(base, "graftblock_learner_swaps_total") >= 2
     assert metric(base, 'graftblock_learner_decisions_total{outcome="applied"}') >= 2
     assert metric(base, "graftblock_learner_feedback_sent_total") > 0
+    # the load generator's scrape of the same counters (benchmarks/serve_load.py --stream)
+    counters = asyncio.run(_serve_load()._learner_counters(SimpleNamespace(base_url=base + "/v1", api_key=None)))
+    assert counters["swaps"] >= 2 and counters["decisions"]["applied"] >= 2 and counters["weights_version"] >= 2
+    assert counters["feedback_sent"] > 0
     text = requests.get(base + "/metrics", timeout=30).text
     for reason in ("queue_full", "inflight", "learner_error"):  # drops are counted, not hidden
         assert f'graftblock_learner_feedback_dropped_total{{reason="{reason}"}}' in text
