@@ -22,8 +22,11 @@ on: with a few hundred positions a candidate memorises them and loses held-out t
 thousand the same budget raises it (``benchmarks/online_knobs.py``). So an arm's statistics go
 *stale* once the train part holds ``retry_growth`` times the positions of the arm's latest
 estimate: a stale arm is treated as untried (explored cheapest-first, its old statistics and harm
-flag dropped when its new reward arrives). The train part is bounded, so each arm is re-tried at
-most ``log_growth(max / first)`` times: exploration cost stays bounded.
+flag dropped when its new reward arrives). Re-tries happen only while the train part keeps
+growing: each one needs ``retry_growth`` times the positions of the last, so while the buffer
+fills they are geometrically spaced. (The buffer is bounded in records, not positions, so a
+shift to traffic with a higher tau can grow the positions again.) A stale arm that is blocked
+by a cheaper harmful arm is not re-tried; it competes on its old statistics.
 
 **Gate.** A trained candidate is applied only when the lower confidence bound of its held-out
 gain beats its cost, ``G_lo > C(a)`` (:mod:`adaptation.gain`, :mod:`adaptation.cost_model`).
@@ -34,7 +37,8 @@ C(a); trained but gated out: minus the training part of C(a) (it was spent); ski
 **Regret** against the best fixed arm in hindsight: ``max_a sum_t r_t(a) - sum_t r_t(a_t)``.
 ``r_t(a)`` is known for the chosen arm (realised), for skip (0), and, for the other update arms,
 from their own held-out estimate when one was made that round (``G - C``); otherwise it is
-imputed by the arm's mean observed reward (0 before any). It is therefore an estimate.
+imputed by the arm's mean observed reward since its statistics were last reset (0 before any).
+It is therefore an estimate.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ class BanditConfig:
             raise ConfigError(f"adapt.bandit.ucb_scale must be >= 0, got {self.ucb_scale}")
         if not isinstance(self.explore_after_harm, bool):
             raise ConfigError(f"adapt.bandit.explore_after_harm must be true or false, got {self.explore_after_harm!r}")
-        if not self.retry_growth > 1:
+        if isinstance(self.retry_growth, bool) or not isinstance(self.retry_growth, (int, float)) \
+                or not self.retry_growth > 1:
             raise ConfigError(f"adapt.bandit.retry_growth must be > 1 (inf = never re-try), got {self.retry_growth!r}")
 
 
@@ -116,16 +121,25 @@ class CostAwareBandit:
     def choose(self, positions: int = 0) -> int:
         """The arm (budget) of the next round, with ``positions`` train positions buffered."""
         self.rounds += 1
+        return self.peek(positions)
+
+    def peek(self, positions: int = 0) -> int:
+        """The arm :meth:`choose` would pick now, without counting a round (a round that cannot
+        train yet reports it)."""
+        t = self.rounds or 1
         best, best_v = SKIP, 0.0
         harm_below = False  # a cheaper arm's latest estimate was harmful
         for b in self.config.budgets[1:]:
             s = self.stats[b]
-            if s.pulls == 0 or s.stale(positions, self.config.retry_growth):
-                if harm_below and not self.config.explore_after_harm:
+            blocked = harm_below and not self.config.explore_after_harm
+            if s.pulls == 0:
+                if blocked:
                     continue
                 return b
+            if s.stale(positions, self.config.retry_growth) and not blocked:
+                return b  # re-tried as untried; a blocked stale arm competes on its old statistics
             harm_below = harm_below or s.harmful
-            v = s.mean + self.config.ucb_scale * math.sqrt(2 * math.log(self.rounds) / s.pulls)
+            v = s.mean + self.config.ucb_scale * math.sqrt(2 * math.log(t) / s.pulls)
             if v > best_v:
                 best, best_v = b, v
         return best
@@ -137,10 +151,10 @@ class CostAwareBandit:
         estimate, the flag is kept); ``positions``: the train positions the arm was trained on (a
         stale arm's old statistics are dropped first)."""
         s = self.stats[arm]
-        if arm != SKIP and s.stale(positions, self.config.retry_growth):
-            s.pulls, s.reward_sum, s.harmful = 0, 0.0, False
-        if arm != SKIP and positions:
-            s.positions = positions
+        if arm != SKIP:
+            if s.stale(positions, self.config.retry_growth):
+                s.pulls, s.reward_sum, s.harmful = 0, 0.0, False
+            s.positions = positions  # 0 = unknown: such statistics never go stale
         s.pulls += 1
         s.reward_sum += reward
         if harmful is not None:

@@ -95,8 +95,9 @@ class ControllerConfig:
         for name in ("decide_every_steps", "fixed_budget", "periodic_rounds", "periodic_budget", "min_train_sequences"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"adapt.{name} must be >= 1, got {getattr(self, name)}")
-        if self.min_train_positions < 0:
-            raise ConfigError(f"adapt.min_train_positions must be >= 0, got {self.min_train_positions}")
+        if isinstance(self.min_train_positions, bool) or not isinstance(self.min_train_positions, int) \
+                or self.min_train_positions < 0:
+            raise ConfigError(f"adapt.min_train_positions must be an integer >= 0, got {self.min_train_positions!r}")
         if not self.horizon_s > 0:
             raise ConfigError(f"adapt.horizon_s must be > 0, got {self.horizon_s}")
 
@@ -211,9 +212,13 @@ class AdaptationController:
             cfg = self.config
             train = self.buffer.train_sequences()
             positions = sum(s.length for s in train)
+            if len(train) < cfg.min_train_sequences or positions < cfg.min_train_positions:
+                # not enough feedback yet: report the arm that would run, count no bandit round
+                arm = self._arm(positions, peek=True)
+                return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
             arm = self._arm(positions)
-            if arm == SKIP or len(train) < cfg.min_train_sequences or positions < cfg.min_train_positions:
-                if cfg.policy is Policy.COST_AWARE and arm == SKIP:
+            if arm == SKIP:
+                if cfg.policy is Policy.COST_AWARE:
                     self.bandit.record(SKIP, 0.0)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
             t0 = time.time()
@@ -247,7 +252,7 @@ class AdaptationController:
             return self._log(Decision(self._rounds, self.config.policy, arm, Outcome.APPLIED, cost, est, train_s,
                                       sync_s, loss, tau_pre=tau_pre))
 
-    def _arm(self, positions: int) -> int:
+    def _arm(self, positions: int, peek: bool = False) -> int:
         cfg = self.config
         if cfg.policy is Policy.STATIC:
             return SKIP
@@ -255,7 +260,7 @@ class AdaptationController:
             return cfg.fixed_budget
         if cfg.policy is Policy.PERIODIC:
             return cfg.periodic_budget if self._rounds % cfg.periodic_rounds == 0 else SKIP
-        return self.bandit.choose(positions)
+        return self.bandit.peek(positions) if peek else self.bandit.choose(positions)
 
     def estimate(self, candidate: StateDict) -> GainEstimate:
         """Replay the held-out feedback with the live and the candidate weights (:mod:`adaptation.gain`)."""

@@ -108,9 +108,11 @@ async def run_load(args, prompts: list[str], phases: list[str] | None = None) ->
     deadline = time.perf_counter() + args.seconds
     t_start = time.perf_counter()
 
+    limit = min(args.max_requests, len(prompts)) if phases else args.max_requests  # a stream runs once, in order
+
     async def worker() -> None:
         nonlocal sent
-        while time.perf_counter() < deadline and sent < args.max_requests:
+        while time.perf_counter() < deadline and sent < limit:
             i = sent % len(prompts)
             sent += 1
             try:
@@ -174,7 +176,7 @@ async def _learner_counters(args) -> dict:
         try:
             with urllib.request.urlopen(urllib.request.Request(f"{root}/metrics", headers=headers), timeout=30) as r:
                 text = r.read().decode()
-        except urllib.error.URLError:
+        except OSError:  # URLError, a timeout or a reset: the counters are missing, the run's figures stand
             return {}
         out: dict = {"decisions": {}}
         for fam in text_string_to_metric_families(text):
@@ -323,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.seconds <= 3600:
         p.error("--seconds must be in (0, 3600]")
     proc = None
+    turns = load_stream(args.stream, args.requests_per_phase) if args.stream else None  # a bad file fails first
     if args.serve_config:
         from cluster.serve_config import load_serve_config
 
@@ -339,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--base-url must be a loopback address (this is a load generator), got {host!r}")
     try:
         phases = None
-        if args.stream:
-            turns = load_stream(args.stream, args.requests_per_phase)
+        if turns is not None:
             phases, prompts = [ph for ph, _ in turns][: args.max_requests], [t for _, t in turns][: args.max_requests]
         else:
             prompts = load_prompts(args.dataset, args.max_requests)

@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -340,6 +341,12 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[
         raise ConfigError(f"--requests-per-phase must be >= 1, got {args.requests_per_phase}")
     if not policies:
         raise ConfigError("--policies must name at least one policy")
+    if not args.retry_growth > 1:
+        raise ConfigError(f"--retry-growth must be > 1 (inf = never re-try), got {args.retry_growth}")
+    if args.min_train_positions < 0:
+        raise ConfigError(f"--min-train-positions must be >= 0, got {args.min_train_positions}")
+    if not 0 <= args.accepted_keep <= 1:
+        raise ConfigError(f"--accepted-keep must be in [0, 1], got {args.accepted_keep}")
     if args.stream:
         stream = StreamSpec.from_yaml(args.stream)
         if args.requests_per_phase is not None:
@@ -502,8 +509,8 @@ def _command(args: argparse.Namespace) -> str:
         if v is None or (k in rest and v == defaults[k]):
             continue
         flag = f"--{k.replace('_', '-')}"
-        parts.append(flag if v is True else f"{flag} {v}")
-    parts.append(f"--json {args.json}")
+        parts.append(flag if v is True else f"{flag} {shlex.quote(str(v))}")
+    parts.append(f"--json {shlex.quote(str(args.json))}")
     return " ".join(parts)
 
 

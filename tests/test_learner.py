@@ -271,12 +271,28 @@ def test_bandit_retries_an_arm_once_the_train_part_has_grown():
     s = bandit.stats[32]
     assert (s.pulls, s.reward_sum, s.harmful, s.positions) == (1, 5.0, False, 600)  # old -17 s dropped
     assert bandit.choose(600) == 128  # the block is lifted
+    # a stale arm above a harmful cheaper arm is not re-tried, but still competes on its old mean
+    up = CostAwareBandit(BanditConfig(budgets=(0, 32, 128), retry_growth=2.0, ucb_scale=0.0))
+    up.choose(300)
+    up.record(32, -1.0, harmful=False, positions=300)
+    up.choose(300)
+    up.record(128, 50.0, harmful=False, positions=300)
+    assert up.choose(600) == 32  # stale: re-tried first
+    up.record(32, -20.0, harmful=True, positions=600)
+    assert up.choose(600) == 128  # stale and blocked by the harmful 32, yet its +50 s beats skipping
+    # statistics recorded without positions (0 = unknown) never go stale
+    unknown = CostAwareBandit(BanditConfig(budgets=(0, 32)))
+    unknown.choose(0)
+    unknown.record(32, 3.0, positions=0)
+    assert not unknown.stats[32].stale(10**9, 2.0) and unknown.choose(10**9) == 32  # by UCB, not as untried
+    assert unknown.stats[32].pulls == 1
     never = CostAwareBandit(BanditConfig(budgets=(0, 32), retry_growth=float("inf")))
     never.choose(100)
     never.record(32, -17.0, harmful=True, positions=100)
     assert never.choose(10**9) == 0
-    with pytest.raises(ConfigError, match="adapt.bandit.retry_growth must be > 1"):
-        BanditConfig(retry_growth=1.0)
+    for bad in (1.0, "2", True):
+        with pytest.raises(ConfigError, match="adapt.bandit.retry_growth must be > 1"):
+            BanditConfig(retry_growth=bad)
 
 
 def test_no_candidate_is_trained_before_min_train_positions():
@@ -288,8 +304,10 @@ def test_no_candidate_is_trained_before_min_train_positions():
         ctl.buffer = buf
         d = ctl.round()
         assert (d.outcome is not Outcome.SKIPPED) == trained and d.arm == 4, (need, d)
-    with pytest.raises(ConfigError, match="adapt.min_train_positions must be >= 0"):
-        ControllerConfig(min_train_positions=-1)
+        assert ctl.bandit.rounds == int(trained)  # a round below the floor is not a bandit round
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match="adapt.min_train_positions must be an integer >= 0"):
+            ControllerConfig(min_train_positions=bad)
 
 
 def test_rollback_restores_previous_weights_when_live_tau_collapses():
@@ -306,12 +324,15 @@ def test_rollback_restores_previous_weights_when_live_tau_collapses():
     harmful = dict(before)
     perm = torch.randperm(harmful["lm_head.weight"].shape[0], generator=torch.Generator().manual_seed(0))
     harmful["lm_head.weight"] = before["lm_head.weight"][perm]
-    applied = ctl.apply(harmful, 16, ctl.cost.cost(16))
+    applied = ctl.apply(harmful, 16, ctl.cost.cost(16), positions=777)
     assert applied.outcome is Outcome.APPLIED and applied.tau_pre > 1.25
     outs = _serve(target, live, prompts, sink, first_id=200)
     closing = [d for d in ctl.decisions if d.outcome in (Outcome.KEPT, Outcome.ROLLED_BACK)]
     assert [d.outcome for d in closing] == [Outcome.ROLLED_BACK]
     assert closing[0].tau_post < closing[0].tau_pre * 0.9 and closing[0].reward_s < 0
+    # the deferred reward reached the bandit with the positions the update was trained on
+    arm16 = ctl.bandit.stats[16]
+    assert (arm16.pulls, arm16.positions, arm16.reward_sum) == (1, 777, closing[0].reward_s)
     restored = live.state_dict()
     assert restored.keys() == before.keys() and all(torch.equal(restored[k], before[k]) for k in before)
     assert outs == _feedback("eagle3")[1][:4]  # lossless throughout
