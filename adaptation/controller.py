@@ -72,6 +72,10 @@ class ControllerConfig:
         min_train_positions: train positions (tokens with features) before any update. >= 0.
             Below a few hundred, a candidate memorises its feedback and lowers held-out tau
             (``benchmarks/online_knobs.py``), so exploring then only spends.
+        explore_budget: share of the serving wall time (since the first feedback record) that
+            candidates the gate refused may have cost, training and held-out replay together;
+            a round whose candidate would exceed it is skipped. Bounds what cost_aware can lose
+            to static by exploring. None = unbounded. Range [0, 1].
         buffer, online, replay, cost, bandit, guard: the parts' configs.
     """
 
@@ -83,6 +87,7 @@ class ControllerConfig:
     periodic_budget: int = 128
     min_train_sequences: int = 1
     min_train_positions: int = 0
+    explore_budget: float | None = None
     buffer: BufferConfig = field(default_factory=BufferConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -98,6 +103,10 @@ class ControllerConfig:
         if isinstance(self.min_train_positions, bool) or not isinstance(self.min_train_positions, int) \
                 or self.min_train_positions < 0:
             raise ConfigError(f"adapt.min_train_positions must be an integer >= 0, got {self.min_train_positions!r}")
+        if self.explore_budget is not None and (isinstance(self.explore_budget, bool)
+                                                or not isinstance(self.explore_budget, (int, float))
+                                                or not 0 <= self.explore_budget <= 1):
+            raise ConfigError(f"adapt.explore_budget must be a number in [0, 1] or null, got {self.explore_budget!r}")
         if not self.horizon_s > 0:
             raise ConfigError(f"adapt.horizon_s must be > 0, got {self.horizon_s}")
 
@@ -170,6 +179,8 @@ class AdaptationController:
         self._pending: tuple[int, CostEstimate, GainEstimate | None, int] | None = None
         self._last_wall: dict[object, float] = {}
         self._busy: list[tuple[float, float]] = []
+        self._first_wall: float | None = None  # wall time of the first feedback record
+        self.refused_s = 0.0  # training + replay seconds of candidates the gate refused
         self._lock = threading.RLock()
         self.horizon_tokens_override: float | None = None
 
@@ -179,6 +190,8 @@ class AdaptationController:
         with self._lock:
             before = len(self.decisions)
             self.buffer.add(records)
+            if records and self._first_wall is None:
+                self._first_wall = min(r.wall_time for r in records)
             self.rate.observe(records)
             for r in records:
                 self._serving_time(r)
@@ -216,6 +229,10 @@ class AdaptationController:
                 # not enough feedback yet: report the arm that would run, count no bandit round
                 arm = self._arm(positions, peek=True)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
+            if cfg.policy is Policy.COST_AWARE and not self._within_explore_budget(self._arm(positions, peek=True)):
+                # the refused candidates have cost their share of serving time: no new one now
+                return self._log(Decision(self._rounds, cfg.policy, self._arm(positions, peek=True), Outcome.SKIPPED,
+                                          self.cost.cost(SKIP)))
             arm = self._arm(positions)
             if arm == SKIP:
                 if cfg.policy is Policy.COST_AWARE:
@@ -231,8 +248,11 @@ class AdaptationController:
                 sync_s = self._publish(result.state)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.APPLIED, cost, None, train_s, sync_s,
                                           result.mean_loss))
+            r0 = time.perf_counter()
             est = self.estimate(result.state)
+            replay_s = time.perf_counter() - r0
             if not gate(est.gain_lo_s, cost.total_s):
+                self.refused_s += train_s + replay_s
                 reward = -cost.train_s * cost.contention
                 self.bandit.record(arm, reward, {arm: reward}, harmful=est.gain_hi_s < 0, positions=positions)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.GATED, cost, est, train_s,
@@ -251,6 +271,15 @@ class AdaptationController:
             self._pending = (arm, cost, est, positions)
             return self._log(Decision(self._rounds, self.config.policy, arm, Outcome.APPLIED, cost, est, train_s,
                                       sync_s, loss, tau_pre=tau_pre))
+
+    def _within_explore_budget(self, arm: int) -> bool:
+        """Whether a candidate of ``arm`` may be trained: refused candidates so far plus this one's
+        expected training seconds stay within ``explore_budget`` of the serving wall time."""
+        budget = self.config.explore_budget
+        if budget is None or arm == SKIP:
+            return True
+        elapsed = time.time() - self._first_wall if self._first_wall is not None else 0.0
+        return self.refused_s + self.cost.cost(arm).train_s <= budget * elapsed
 
     def _arm(self, positions: int, peek: bool = False) -> int:
         cfg = self.config
@@ -316,7 +345,7 @@ class AdaptationController:
         out = {"rounds": float(self._rounds), "updates": float(n[Outcome.APPLIED]),
                "rollbacks": float(n[Outcome.ROLLED_BACK]), "gated": float(n[Outcome.GATED]),
                "cost_s": sum(d.cost.total_s for d in self.decisions if d.outcome in (Outcome.APPLIED, Outcome.GATED)),
-               "weights_version": float(self.version)}
+               "weights_version": float(self.version), "refused_s": self.refused_s}
         if self.config.policy is Policy.COST_AWARE:
             out.update(self.bandit.regret())
         return out

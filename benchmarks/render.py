@@ -48,6 +48,7 @@ SECTIONS: dict[str, str] = {
     "goodput_calibration_n16_fp32": "Goodput rule: predicted against measured step seconds, side by side with batched vanilla (N = 16, fp32)",
     "output_head_fp32": "Target output head: nn.Linear against the transposed head, vanilla decoding side by side (fp32)",
     "linear_kernels_fp32": "Target linear kernels: F.linear, transposed head, oneDNN-packed layers; vanilla and retrieval side by side (fp32)",
+    "decode_profile_fp32": "Where a vanilla decode step's time goes: linear kernels, attention, the rest (fp32)",
     "cost_correction_fp32": "Solo cost-aware retrieval: a c(T) measured on a busy host, frozen against corrected online (fp32)",
 }
 
@@ -364,6 +365,25 @@ def render_online_knobs(res: dict) -> list[str]:
     return lines
 
 
+def render_decode_profile(res: dict) -> list[str]:
+    """A vanilla decode step: wall time, and the profiler's operator self-times grouped."""
+    g = res["groups_ms_per_step"]
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['steps']} greedy decode steps after a "
+             f"{res['prompt_tokens']}-token prompt. Wall per step without the profiler: "
+             f"**{_f(res['wall_ms_per_step'], 1)} ms** (median of 3 runs); under the profiler "
+             f"{_f(res['profiled_wall_ms_per_step'], 1)} ms.", "",
+             "| part of the profiled step | ms per step | share |", "|---|---|---|"]
+    wall = res["profiled_wall_ms_per_step"]
+    for name in ("linear", "attention", "other operators"):
+        lines.append(f"| {name} (operator self time) | {_f(g.get(name, 0.0), 2)} | {_f(100 * g.get(name, 0.0) / wall, 0, '%')} |")
+    lines.append(f"| no operator (Python, module calls, profiler) | {_f(res['unaccounted_ms_per_step'], 2)} | "
+                 f"{_f(100 * res['unaccounted_ms_per_step'] / wall, 0, '%')} |")
+    lines += ["", "| operator | self ms per step | calls per step |", "|---|---|---|"]
+    for op in res["top_operators"]:
+        lines.append(f"| `{op['op']}` | {_f(op['self_ms_per_step'], 3)} | {_f(op['calls_per_step'], 1)} |")
+    return lines
+
+
 def render_output_head(res: dict) -> list[str]:
     """Vanilla decoding with each output head, interleaved prompt by prompt."""
     shape = res["head_shape"]
@@ -481,6 +501,8 @@ def main() -> int:
             out += render_adapt(res)
         elif kind == "linear_kernels":
             out += render_linear_kernels(res)
+        elif kind == "decode_profile":
+            out += render_decode_profile(res)
         elif kind == "online_knobs":
             out += render_online_knobs(res)
         elif kind == "sweep_heldout":

@@ -87,6 +87,9 @@ class LearnerServeConfig:
     min_train_positions: int = 0
     """Train positions (generated tokens with features) buffered before any update: with fewer, a
     candidate memorises its feedback. Range [0, 10000000]."""
+    explore_budget: float | None = None
+    """Share of serving wall time that candidates the gate refused may cost (training + replay);
+    beyond it no new candidate is trained. null = unbounded. Range [0, 1]."""
     retry_growth: float = 2.0
     """The bandit re-tries an update budget once the train part holds this many times the positions
     of its latest estimate (``.inf`` = never). Range (1, inf]."""
@@ -142,6 +145,11 @@ class LearnerServeConfig:
         _seconds("learner.call_timeout_s", self.call_timeout_s, 3600.0)
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr <= 1:
             raise ConfigError(f"serve.learner.lr must be a number in (0, 1], got {self.lr!r}")
+        if self.explore_budget is not None and (isinstance(self.explore_budget, bool)
+                                                or not isinstance(self.explore_budget, (int, float))
+                                                or not 0 <= self.explore_budget <= 1):
+            raise ConfigError(f"serve.learner.explore_budget must be a number in [0, 1] or null, "
+                              f"got {self.explore_budget!r}")
         if isinstance(self.accepted_keep, bool) or not isinstance(self.accepted_keep, (int, float)) \
                 or not 0 <= self.accepted_keep <= 1:
             raise ConfigError(f"serve.learner.accepted_keep must be a number in [0, 1], got {self.accepted_keep!r}")

@@ -73,6 +73,7 @@ def controller_config(cfg: LearnerServeConfig) -> ControllerConfig:
         policy=Policy(cfg.policy), decide_every_steps=cfg.decide_every_steps, horizon_s=cfg.horizon_s,
         fixed_budget=cfg.fixed_budget, periodic_rounds=cfg.periodic_rounds, periodic_budget=cfg.periodic_budget,
         min_train_sequences=cfg.min_train_sequences, min_train_positions=cfg.min_train_positions,
+        explore_budget=cfg.explore_budget,
         bandit=BanditConfig(budgets=tuple(cfg.budgets), retry_growth=float(cfg.retry_growth)),
         guard=GuardConfig(window_steps=cfg.guard_window), online=OnlineConfig(lr=cfg.lr, accepted_keep=float(cfg.accepted_keep)),
         buffer=BufferConfig(heldout_sequences=cfg.heldout_sequences),

@@ -254,6 +254,9 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
                         "of its latest estimate (inf = never)")
     p.add_argument("--min-train-positions", type=int, default=0,
                    help="train positions (tokens with features) buffered before any update")
+    p.add_argument("--explore-budget", type=float, default=None,
+                   help="cost_aware: share of serving wall time refused candidates may cost (training + "
+                        "replay); a candidate beyond it is not trained (default: unbounded)")
     p.add_argument("--fixed-budget", type=int, default=32, help="steps of an always-update round")
     p.add_argument("--periodic-rounds", type=int, default=4)
     p.add_argument("--periodic-budget", type=int, default=128)
@@ -347,6 +350,8 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[
         raise ConfigError(f"--min-train-positions must be >= 0, got {args.min_train_positions}")
     if not 0 <= args.accepted_keep <= 1:
         raise ConfigError(f"--accepted-keep must be in [0, 1], got {args.accepted_keep}")
+    if args.explore_budget is not None and not 0 <= args.explore_budget <= 1:
+        raise ConfigError(f"--explore-budget must be in [0, 1], got {args.explore_budget}")
     if args.stream:
         stream = StreamSpec.from_yaml(args.stream)
         if args.requests_per_phase is not None:
@@ -392,7 +397,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     base = dict(
         decide_every_steps=args.decide_every_steps, horizon_s=args.horizon_s, fixed_budget=args.fixed_budget,
         periodic_rounds=args.periodic_rounds, periodic_budget=args.periodic_budget,
-        min_train_positions=args.min_train_positions,
+        min_train_positions=args.min_train_positions, explore_budget=args.explore_budget,
         bandit=BanditConfig(budgets=budgets, explore_after_harm=args.explore_after_harm,
                             retry_growth=args.retry_growth),
         guard=GuardConfig(window_steps=args.guard_window),
@@ -558,7 +563,8 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
                                      "accepted_keep": args.accepted_keep,
                                      "explore_after_harm": args.explore_after_harm,
                                      "retry_growth": args.retry_growth,
-                                     "min_train_positions": args.min_train_positions, "heldout": args.heldout},
+                                     "min_train_positions": args.min_train_positions, "heldout": args.heldout,
+                                     "explore_budget": args.explore_budget},
                       "model": args.model, "dtype": args.dtype, "drafter": args.drafter, "stream": stream.name,
                       "phases": phases, "requests_per_phase": {p.name: p.requests for p in stream.phases},
                       "max_new_tokens": args.max_new_tokens, "lossless_reference": runs[0].name,

@@ -164,6 +164,7 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
                         ({"lr": 2.0}, "serve.learner.lr must be a number in (0, 1]"),
                         ({"retry_growth": 1}, "serve.learner.retry_growth must be a number > 1"),
                         ({"accepted_keep": 1.5}, "serve.learner.accepted_keep must be a number in [0, 1]"),
+                        ({"explore_budget": 2}, "serve.learner.explore_budget must be a number in [0, 1] or null"),
                         ({"min_train_positions": -5}, "serve.learner.min_train_positions must be an integer in [0, "),
                         ({"bogus": 1}, "serve.learner: unknown key(s) ['bogus']")]:
         with pytest.raises(ConfigError) as e:
@@ -174,8 +175,9 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
     assert serve_config_from_dict(local.replica_dict()) == local
     from cluster.serve_learner import controller_config
 
-    ctl = controller_config(serve_config_from_dict({"learner": {"min_train_positions": 700, "retry_growth": 3.0, "accepted_keep": 0.5}}).learner)
+    ctl = controller_config(serve_config_from_dict({"learner": {"min_train_positions": 700, "retry_growth": 3.0, "accepted_keep": 0.5, "explore_budget": 0.1}}).learner)
     assert ctl.min_train_positions == 700 and ctl.bandit.retry_growth == 3.0 and ctl.online.accepted_keep == 0.5
+    assert ctl.explore_budget == 0.1
 
 
 def test_a_method_that_is_not_learnable_gets_a_noop_learner_and_says_so(caplog):

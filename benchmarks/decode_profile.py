@@ -1,0 +1,92 @@
+"""Where a vanilla decode step's time goes: wall time per step, and torch.profiler's operator
+self-times per step grouped into the linear layers, attention, the rest of the operators, and
+what no operator accounts for (Python and the Hugging Face forward's glue).
+
+    .venv/bin/python benchmarks/decode_profile.py --dtype float32 --json benchmarks/results/decode_profile_fp32.json
+
+Loads the target as every command does (``assets.load_model``: oneDNN-packed linear layers),
+prefills one Spec-Bench prompt, then times ``--steps`` greedy ``TargetModel.decode`` steps without
+the profiler (the wall figure) and again under ``torch.profiler`` (the breakdown; the profiler
+adds its own overhead, reported as the difference of the two walls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul")
+ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_attention_math", "aten::bmm", "aten::baddbmm")
+
+
+def _group(name: str) -> str:
+    if name in LINEAR_OPS:
+        return "linear"
+    if name in ATTENTION_OPS:
+        return "attention"
+    return "other operators"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--top", type=int, default=12, help="operators listed by self time")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from graftblock.cli import _load_target
+    from speculation import assets
+    from speculation.bench.runner import emit_json, environment
+
+    torch.set_num_threads(args.threads)
+    target = _load_target(args.model, args.dtype)
+    prompt = assets.encode_turn(target.tokenizer, [], assets.load_questions("spec_bench", 1)[0].turns[0])
+
+    def decode(state, logits, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits = target.decode(state, int(logits.argmax()))
+        return (time.perf_counter() - t0) / steps
+
+    def run(steps: int) -> float:
+        state, logits, _ = target.prefill(prompt)
+        return decode(state, logits, steps)
+
+    run(8)  # warm-up: oneDNN primitives, allocator
+    walls = [run(args.steps) for _ in range(3)]
+    wall = sorted(walls)[1]
+    state, logits, _ = target.prefill(prompt)  # outside the profile: only decode steps are profiled
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled_wall = decode(state, logits, args.steps)
+    events = prof.key_averages()
+    per_op = sorted(((e.key, e.self_cpu_time_total / 1e3 / args.steps, e.count / args.steps) for e in events),
+                    key=lambda x: -x[1])
+    groups: dict[str, float] = {}
+    for name, ms, _ in per_op:
+        groups[_group(name)] = groups.get(_group(name), 0.0) + ms
+    op_total = sum(groups.values())
+    out = {
+        "kind": "decode_profile",
+        "command": " ".join(["benchmarks/decode_profile.py", *(argv if argv is not None else sys.argv[1:])]),
+        "env": environment(), "model": args.model, "dtype": args.dtype, "steps": args.steps,
+        "prompt_tokens": len(prompt), "wall_ms_per_step": wall * 1e3, "walls_ms": [w * 1e3 for w in walls],
+        "profiled_wall_ms_per_step": profiled_wall * 1e3,
+        "groups_ms_per_step": groups, "operators_ms_per_step": op_total,
+        "unaccounted_ms_per_step": profiled_wall * 1e3 - op_total,
+        "top_operators": [{"op": n, "self_ms_per_step": ms, "calls_per_step": c} for n, ms, c in per_op[: args.top]],
+    }
+    emit_json(out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
