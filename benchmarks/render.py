@@ -45,6 +45,9 @@ SECTIONS: dict[str, str] = {
     "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
     "serve_load_threads_1": "Serving: replica torch threads, 1 (80 requests; pair of the next table)",
     "serve_load_threads_2": "Serving: replica torch threads, 2 (80 requests; pair of the previous table)",
+    "serve_adaptive_static": "Adaptive serving, baseline: EAGLE-3 on the domain-shift stream with the learner static (2 streaming clients, fp32)",
+    "serve_adaptive_learner": "Adaptive serving, learner on, rounds inside the learner's feed call (before the inbox; 2 clients, fp32)",
+    "serve_adaptive_learner_inbox": "Adaptive serving, learner on, rounds in the learner's background thread (2 clients, fp32)",
     "goodput_calibration_n16_fp32": "Goodput rule: predicted against measured step seconds, side by side with batched vanilla (N = 16, fp32)",
     "output_head_fp32": "Target output head: nn.Linear against the transposed head, vanilla decoding side by side (fp32)",
     "linear_kernels_fp32": "Target linear kernels: F.linear, transposed head, oneDNN-packed layers; vanilla and retrieval side by side (fp32)",
@@ -176,8 +179,9 @@ def render_serve_load(res: dict) -> list[str]:
     lines = [f"Server: model **{srv.get('model', res.get('model'))}**, dtype **{srv.get('dtype', '?')}**, method "
              f"`{srv.get('method', '?')}`, {srv.get('max_sequences', '?')} sequences per step; {res['clients']} "
              f"closed-loop streaming clients, greedy, {res['max_tokens']} max tokens, dataset `{res['dataset']}`; "
-             f"torch threads: replica {res.get('server_torch_threads', '?')}, offline "
-             f"{(res.get('offline') or {}).get('torch_threads', '?')}.", "",
+             f"torch threads: replica {res.get('server_torch_threads', '?')}"
+             + (f", offline {res['offline'].get('torch_threads', '?')}" if res.get("offline") else "")
+             + (f"; learner policy `{srv['learner_policy']}`" if srv.get("learner_policy") else "") + ".", "",
              "| run | requests | errors | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT ms | tau |",
              "|---|---|---|---|---|---|---|---|",
              f"| serving | {res['requests_done']} | {res['errors']} | {_f(res['output_tokens_per_s'], 1)} | "

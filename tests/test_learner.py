@@ -401,7 +401,7 @@ def test_learner_actor_pushes_weights_restarts_from_them_and_decode_survives(ray
                            buffer=BufferConfig(heldout_sequences=1), online=OnlineConfig(lr=1e-3))
     learner = spawn_learner(live, cfg, tmp_path / "learner", targets=[SwapTarget(worker, "s")], max_restarts=2)
     records = _feedback("eagle3")[0]
-    ray.get(learner.feed.remote(records[:200]))
+    ray.get(learner.feed.remote(records[:200], wait=True))
     version, weights = ray.get(learner.weights.remote())
     assert version >= 1
     assert any(not torch.equal(weights[k], v) for k, v in live.state_dict().items())
@@ -436,6 +436,30 @@ def test_learner_actor_pushes_weights_restarts_from_them_and_decode_survives(ray
     assert ray.get(learner.pid.remote()) != pid
     assert ray.get(learner.summary.remote())["restored"] == 1.0
     assert v2 == version and all(torch.equal(w2[k], weights[k]) for k in weights)
+
+
+def test_learner_actor_answers_and_takes_feedback_while_a_round_trains(ray_local, tmp_path):  # noqa: F811
+    """A round trains in the actor's background thread: feed returns at once and the actor answers
+    mid-round (run inside feed, a round held the actor and the replicas dropped its feedback)."""
+    ray = ray_local
+    from workers.learner import spawn_learner
+
+    live = _drafter("eagle3")
+    cfg = ControllerConfig(policy=Policy.ALWAYS, decide_every_steps=40, fixed_budget=100_000,  # never finishes
+                           buffer=BufferConfig(heldout_sequences=1), online=OnlineConfig(lr=1e-3))
+    learner = spawn_learner(live, cfg, tmp_path / "learner", max_restarts=0)
+    try:
+        records = _feedback("eagle3")[0]
+        assert ray.get(learner.feed.remote(records[:200]), timeout=120) == 0  # queued, not processed here
+        deadline = time.monotonic() + 120
+        while ray.get(learner.summary.remote(), timeout=30)["rounds"] < 1:  # the round has started
+            assert time.monotonic() < deadline, "no round started"
+            time.sleep(0.2)
+        assert ray.get(learner.feed.remote(records[200:240]), timeout=30) == 0  # mid-round: returns
+        summary = ray.get(learner.summary.remote(), timeout=30)
+        assert summary["weights_version"] == 0 and summary["inbox_records"] == 40 and summary["inbox_dropped"] == 0
+    finally:
+        ray.kill(learner)
 
 
 def test_config_errors_name_the_field():

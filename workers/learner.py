@@ -6,6 +6,14 @@ The actor wraps :class:`~adaptation.controller.AdaptationController` (its single
   :class:`~adaptation.feedback.FeedbackSink` whose consumer is a :class:`RemoteFeed`; the feed
   keeps at most ``max_inflight`` calls outstanding and drops batches beyond that, so a busy (or
   dead) learner never slows decode.
+* **Rounds run off the call path.** ``feed`` only appends the batch to a bounded inbox (up to
+  :data:`INBOX_RECORDS` records; a batch beyond it is dropped and counted) and returns; one
+  background thread moves the inbox into the controller, which runs its decision rounds there.
+  A round trains for tens of seconds: run inside ``feed`` (as it was), it held the actor, so
+  later ``feed`` calls queued, the replicas' ``max_inflight`` filled and two thirds of the
+  feedback of a served domain-shift stream was dropped (``graftblock_learner_feedback_dropped_total
+  {reason="inflight"}``), and ``published`` calls timed out. ``feed(records, wait=True)`` processes
+  the inbox and the batch in the caller (tests, single-process use).
 * **Weights** are published with ``ray.put`` once per update and swapped by every registered
   ``DrafterWorker`` (``swap_weights(slot, ref)``: Ray resolves the ref before the call, the swap
   lands between decode steps); without workers the learner keeps them for callers that pull
@@ -23,7 +31,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
+import threading
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -38,6 +48,8 @@ from adaptation.controller import AdaptationController, ControllerConfig, Decisi
 from adaptation.feedback import FeedbackRecord
 from adaptation.online import StateDict, TrainableDrafter
 
+INBOX_RECORDS = 16384
+"""Feedback records the learner's inbox holds while a round runs (about 7 KB each at H = 576)."""
 WEIGHTS_FILE = "learner_weights.safetensors"
 VERSION_FILE = "learner_version.json"
 DRAFTER_FILE = "drafter.pkl"
@@ -148,6 +160,14 @@ class Learner:
             self.controller.version = saved[1]
             self._ref, self._digest = ray.put(saved[0]), weights_digest(saved[0])
         self._restored_from = (self.controller.version, self._digest)
+        self._inbox: deque[list[FeedbackRecord]] = deque()
+        self._inbox_records = 0
+        self._inbox_lock = threading.Lock()
+        self._wake = threading.Event()
+        self.inbox_dropped = 0
+        self.round_errors = 0
+        self._rounds_thread = threading.Thread(target=self._rounds_loop, name="learner-rounds", daemon=True)
+        self._rounds_thread.start()
 
     def _publish(self, state: StateDict) -> None:
         import ray
@@ -159,9 +179,40 @@ class Learner:
         self._ref, self._digest = ref, weights_digest(state)
 
     # ------------------------------------------------------------------ calls
-    def feed(self, records: list[FeedbackRecord]) -> int:
-        """Take a feedback batch (fire-and-forget from the sink); returns decisions made."""
-        return len(self.controller.add(records))
+    def feed(self, records: list[FeedbackRecord], wait: bool = False) -> int:
+        """Take a feedback batch: into the inbox, processed by the rounds thread (returns 0 at once),
+        or with ``wait`` processed here after the inbox (returns the decisions made)."""
+        if wait:
+            return self._drain() + len(self.controller.add(records))
+        with self._inbox_lock:
+            if self._inbox_records + len(records) > INBOX_RECORDS:
+                self.inbox_dropped += len(records)
+                return 0
+            self._inbox.append(records)
+            self._inbox_records += len(records)
+        self._wake.set()
+        return 0
+
+    def _drain(self) -> int:
+        """Hand every inbox batch to the controller (its rounds run in this thread); decisions made."""
+        made = 0
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    return made
+                batch = self._inbox.popleft()
+                self._inbox_records -= len(batch)
+            made += len(self.controller.add(batch))
+
+    def _rounds_loop(self) -> None:
+        while True:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            try:
+                self._drain()
+            except Exception:  # noqa: BLE001 - a failed round costs an update, never the learner
+                self.round_errors += 1
+                logging.getLogger("graftblock.learner").exception("learner round failed")
 
     def round(self) -> Decision:
         """Run one decision round now."""
@@ -182,8 +233,11 @@ class Learner:
                              *self._restored_from)
 
     def summary(self) -> dict[str, float]:
+        with self._inbox_lock:
+            inbox = self._inbox_records
         return {**self.controller.summary(), "restored": float(self.restored),
-                "buffered_records": float(len(self.controller.buffer))}
+                "buffered_records": float(len(self.controller.buffer)), "inbox_records": float(inbox),
+                "inbox_dropped": float(self.inbox_dropped), "round_errors": float(self.round_errors)}
 
     def pid(self) -> int:
         return os.getpid()
