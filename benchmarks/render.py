@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "adapt_domain_shift_eagle3_fp32": "Online adaptation: policies on the domain-shift stream, EAGLE-3 (fp32)",
     "adapt_domain_shift_eagle3_fp32_cheapest_first": "Online adaptation: cost-aware with cheapest-first exploration against static, EAGLE-3 (fp32)",
     "adapt_domain_shift_eagle3_fp32_data_aware": "Online adaptation: cost-aware with a data floor and re-tries as the buffer grows, against static, 40 requests per phase, EAGLE-3 (fp32)",
+    "adapt_domain_shift_eagle3_fp32_explore_budget": "Online adaptation: cost-aware with an exploration budget of 10% of serving time, against static, 20 requests per phase, EAGLE-3 (fp32)",
     "online_knobs_eagle3_code_fp32": "Online updates: learning rate, share of accepted positions, optimizer steps, on HumanEval feedback (EAGLE-3, fp32)",
     "online_knobs_eagle3_chat_fp32": "Online updates: how much feedback a candidate needs, on chat feedback (EAGLE-3, fp32)",
     "sweep_graft_heldout_fp32": "Graft over SpecBlock: Optuna sweep on 4 Spec-Bench categories, best configuration on the 9 held out (fp32)",
