@@ -229,10 +229,11 @@ class AdaptationController:
                 # not enough feedback yet: report the arm that would run, count no bandit round
                 arm = self._arm(positions, peek=True)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
-            if cfg.policy is Policy.COST_AWARE and not self._within_explore_budget(self._arm(positions, peek=True)):
-                # the refused candidates have cost their share of serving time: no new one now
-                return self._log(Decision(self._rounds, cfg.policy, self._arm(positions, peek=True), Outcome.SKIPPED,
-                                          self.cost.cost(SKIP)))
+            if cfg.policy is Policy.COST_AWARE:
+                next_arm = self._arm(positions, peek=True)
+                if not self._within_explore_budget(next_arm):
+                    # the refused candidates have cost their share of serving time: no new one now
+                    return self._log(Decision(self._rounds, cfg.policy, next_arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
             arm = self._arm(positions)
             if arm == SKIP:
                 if cfg.policy is Policy.COST_AWARE:

@@ -164,19 +164,11 @@ def per_phase(finished: list[tuple[str, int, float | None, float]], order: list[
 
 async def _learner_counters(args) -> dict:
     """The learner's counters from the server's Prometheus ``/metrics`` (``{}`` if unreachable)."""
-    import urllib.error
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
-    root = args.base_url.rstrip("/").removesuffix("/v1")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-    def get() -> dict:
-        try:
-            with urllib.request.urlopen(urllib.request.Request(f"{root}/metrics", headers=headers), timeout=30) as r:
-                text = r.read().decode()
-        except OSError:  # URLError, a timeout or a reset: the counters are missing, the run's figures stand
+    def parse() -> dict:
+        text = _get(args, "/metrics")
+        if text is None:  # unreachable: the counters are missing, the run's figures stand
             return {}
         out: dict = {"decisions": {}}
         for fam in text_string_to_metric_families(text):
@@ -190,22 +182,30 @@ async def _learner_counters(args) -> dict:
                     out[key] = out.get(key, 0.0) + sample.value
         return out
 
-    return await asyncio.to_thread(get)
+    return await asyncio.to_thread(parse)
 
 
-async def _health(args) -> dict:
-    """The server's ``GET /health`` body (``{}`` if it has none): it reports the replica's torch threads."""
-    import urllib.error
+def _get(args, path: str) -> str | None:
+    """``GET <server root><path>`` with the API key, or None when it fails (URLError, timeout, reset)."""
     import urllib.request
 
     root = args.base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(root + path, headers=headers), timeout=30) as r:
+            return r.read().decode()
+    except OSError:
+        return None
+
+
+async def _health(args) -> dict:
+    """The server's ``GET /health`` body (``{}`` if it has none): it reports the replica's torch threads."""
 
     def get() -> dict:
+        text = _get(args, "/health")
         try:
-            with urllib.request.urlopen(urllib.request.Request(f"{root}/health", headers=headers), timeout=30) as r:
-                return json.loads(r.read())
-        except (urllib.error.URLError, ValueError):
+            return json.loads(text) if text is not None else {}
+        except ValueError:
             return {}
 
     return await asyncio.to_thread(get)
