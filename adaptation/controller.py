@@ -12,7 +12,10 @@ wraps it in a Ray actor). It consumes feedback records (:mod:`adaptation.feedbac
   copy is replayed on the held-out feedback (:mod:`adaptation.gain`) and applied only when
   ``G_lo > C`` (:mod:`adaptation.cost_model`); an applied update is watched by the swap guard
   (:mod:`adaptation.rollback`) and its realised reward is credited to its arm when the window
-  closes (or a rollback republishes the previous weights).
+  closes (or a rollback republishes the previous weights). In the guard's paired mode the
+  realised gain is priced on the window's own traffic, previous vs new weights replayed on the
+  same text: ``G_real = N * t_step * (1/tau_prev - 1/tau_new)``; in live mode on the live windows
+  before and after the swap.
 
 Publishing is a callable (``publish(state)``): in process it loads the drafter's weights, on Ray
 it puts them in the object store once and calls ``swap_weights`` on every drafter worker. Its
@@ -32,7 +35,16 @@ from dataclasses import dataclass, field
 from adaptation.bandit import SKIP, BanditConfig, CostAwareBandit, gate
 from adaptation.cost_model import CostConfig, CostEstimate, UpdateCostModel
 from adaptation.feedback import BufferConfig, FeedbackRecord, ReplayBuffer
-from adaptation.gain import GainEstimate, ReplayConfig, TrafficRate, estimate_gain, gain_seconds, replay_units, replica
+from adaptation.gain import (
+    GainEstimate,
+    ReplayConfig,
+    TrafficRate,
+    estimate_gain,
+    gain_seconds,
+    replay_units,
+    replica,
+    tau_of,
+)
 from adaptation.online import OnlineConfig, OnlineUpdater, StateDict, TrainableDrafter
 from adaptation.rollback import GuardConfig, GuardVerdict, SwapGuard
 from speculation.config import ConfigError
@@ -116,7 +128,9 @@ class Decision:
     """One round or guard event, as logged (MLflow metrics through ``tracking.adaptation``).
 
     ``gain`` is None when no candidate was replayed; ``realised_gain_s``/``reward_s`` are set on
-    KEPT / ROLLED_BACK events (and on GATED rounds, the reward).
+    KEPT / ROLLED_BACK events (and on GATED rounds, the reward). ``tau_pre``/``tau_post`` are the
+    live taus of the windows before and after a swap; ``tau_replay_prev``/``tau_replay_new`` the
+    paired guard's replay of the previous and the new weights on the after-window (nan in live mode).
     """
 
     round: int
@@ -130,6 +144,8 @@ class Decision:
     loss: float = math.nan
     tau_pre: float = math.nan
     tau_post: float = math.nan
+    tau_replay_prev: float = math.nan
+    tau_replay_new: float = math.nan
     realised_gain_s: float = math.nan
     reward_s: float = math.nan
     wall_time: float = 0.0
@@ -139,6 +155,7 @@ class Decision:
                "cost_contention": self.cost.contention, "cost_sync_s": self.cost.sync_s,
                "train_s": self.train_s, "sync_s": self.sync_s, "loss": self.loss,
                "tau_pre": self.tau_pre, "tau_post": self.tau_post,
+               "tau_replay_prev": self.tau_replay_prev, "tau_replay_new": self.tau_replay_new,
                "realised_gain_s": self.realised_gain_s, "reward_s": self.reward_s}
         if self.gain is not None:
             g = self.gain
@@ -195,8 +212,10 @@ class AdaptationController:
             self.rate.observe(records)
             for r in records:
                 self._serving_time(r)
-                verdict = self.guard.observe(r.tokens_gained)
-                if verdict in (GuardVerdict.KEEP, GuardVerdict.ROLLBACK):
+                verdict = self.guard.observe(r)
+                if verdict is GuardVerdict.REPLAY:
+                    self._close_watch(*self._paired_verdict())
+                elif verdict in (GuardVerdict.KEEP, GuardVerdict.ROLLBACK):
                     self._close_watch(verdict)
             self._steps_since += len(records)
             if self._steps_since >= self.config.decide_every_steps and not self.guard.watching:
@@ -313,13 +332,27 @@ class AdaptationController:
         self.version += 1
         return dt
 
-    def _close_watch(self, verdict: GuardVerdict) -> None:
+    def _paired_verdict(self) -> tuple[GuardVerdict, float, float]:
+        """Replay the previous and the live weights on the guard window's feedback (same text)."""
+        held = self.guard.window_sequences()
+        chunk = self.config.replay.chunk
+        assert self.guard.previous is not None
+        self._replica.load_state_dict(self.guard.previous)
+        tau_prev = tau_of(replay_units(self._replica, held, chunk))
+        self._replica.load_state_dict(self.weights)
+        tau_new = tau_of(replay_units(self._replica, held, chunk))
+        return self.guard.judge(tau_prev, tau_new), tau_prev, tau_new
+
+    def _close_watch(self, verdict: GuardVerdict, tau_replay_prev: float = math.nan,
+                     tau_replay_new: float = math.nan) -> None:
         assert self._pending is not None
         arm, cost, est, positions = self._pending
         self._pending = None
         tau_pre, tau_post = self.guard.tau_pre, self.guard.tau_post
         step_s = self.cost.serving_step_s
-        realised = gain_seconds(self.horizon_tokens(), step_s if math.isfinite(step_s) else 0.0, tau_pre, tau_post)
+        paired = math.isfinite(tau_replay_prev) and math.isfinite(tau_replay_new)
+        before, after = (tau_replay_prev, tau_replay_new) if paired else (tau_pre, tau_post)
+        realised = gain_seconds(self.horizon_tokens(), step_s if math.isfinite(step_s) else 0.0, before, after)
         previous = self.guard.release()
         sync_s = 0.0
         if verdict is GuardVerdict.ROLLBACK:
@@ -331,7 +364,8 @@ class AdaptationController:
                            positions=positions)
         outcome = Outcome.ROLLED_BACK if verdict is GuardVerdict.ROLLBACK else Outcome.KEPT
         self._log(Decision(self._rounds, self.config.policy, arm, outcome, cost, est, sync_s=sync_s,
-                           tau_pre=tau_pre, tau_post=tau_post, realised_gain_s=realised, reward_s=reward))
+                           tau_pre=tau_pre, tau_post=tau_post, tau_replay_prev=tau_replay_prev,
+                           tau_replay_new=tau_replay_new, realised_gain_s=realised, reward_s=reward))
 
     def _log(self, d: Decision) -> Decision:
         d = _with_time(d)

@@ -293,7 +293,7 @@ def render_adapt(res: dict) -> list[str]:
              f"Controller: a round every {c.get('decide_every_steps')} verify steps, horizon {c.get('horizon_s')} s, "
              f"bandit budgets {c.get('budgets')}, always-update {c.get('fixed_budget')} steps, periodic "
              f"{c.get('periodic_budget')} steps every {c.get('periodic_rounds')} rounds, guard window "
-             f"{c.get('guard_window')} steps, lr {c.get('lr')}, accepted positions kept in the loss "
+             f"{c.get('guard_window')} steps ({c.get('guard_mode', 'live')}), lr {c.get('lr')}, accepted positions kept in the loss "
              f"{c.get('accepted_keep', 0.25)}; cost_aware explores "
              + ("every budget once" if c.get("explore_after_harm", True) else
                 "budgets cheapest first, skipping dearer ones after a harmful estimate")

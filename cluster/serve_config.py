@@ -46,6 +46,8 @@ class DrafterPlacement(str, enum.Enum):
 
 LEARNER_POLICIES = ("static", "always", "periodic", "cost_aware")
 """Values of ``learner.policy`` (``adaptation.controller.Policy``)."""
+GUARD_MODES = ("paired", "live")
+"""Values of ``learner.guard_mode`` (``adaptation.rollback.GuardMode``; a test keeps them equal)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,11 @@ class LearnerServeConfig:
     """Optimizer steps of a ``periodic`` update. Range [1, 100000]."""
     guard_window: int = 32
     """Verify steps the swap guard watches after an applied update. Range [1, 100000]."""
+    guard_mode: str = "paired"
+    """How the guard judges a swap: ``paired`` replays the previous and the new weights on the
+    feedback served after the swap (same text), ``live`` compares live tau before and after it."""
+    guard_margin: float = 0.1
+    """Relative tau drop that rolls a swap back. Range [0, 1)."""
     lr: float = 3e-4
     """AdamW learning rate of an update. Range (0, 1]."""
     accepted_keep: float = 1.0
@@ -150,6 +157,11 @@ class LearnerServeConfig:
                                                 or not 0 <= self.explore_budget <= 1):
             raise ConfigError(f"serve.learner.explore_budget must be a number in [0, 1] or null, "
                               f"got {self.explore_budget!r}")
+        if self.guard_mode not in GUARD_MODES:
+            raise ConfigError(f"serve.learner.guard_mode must be one of {list(GUARD_MODES)}, got {self.guard_mode!r}")
+        if isinstance(self.guard_margin, bool) or not isinstance(self.guard_margin, (int, float)) \
+                or not 0 <= self.guard_margin < 1:
+            raise ConfigError(f"serve.learner.guard_margin must be a number in [0, 1), got {self.guard_margin!r}")
         if isinstance(self.accepted_keep, bool) or not isinstance(self.accepted_keep, (int, float)) \
                 or not 0 <= self.accepted_keep <= 1:
             raise ConfigError(f"serve.learner.accepted_keep must be a number in [0, 1], got {self.accepted_keep!r}")

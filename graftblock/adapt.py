@@ -58,6 +58,8 @@ PHASE_CATEGORIES: dict[str, tuple[str, ...]] = {
 """Stream phase -> the Spec-Bench categories its requests come from (taken round-robin), without ``--stream``."""
 
 DRAFTERS = ("eagle3", "specblock")
+GUARD_MODES = ("paired", "live")
+"""adaptation.rollback.GuardMode's values (not imported here: the parser stays torch-free)."""
 CONFIG_POLICY = "config_ucb"
 """The config-adaptation policy (:mod:`adaptation.config_bandit`); the others are weight-update policies."""
 DEFAULT_REQUESTS_PER_PHASE = 40
@@ -261,6 +263,10 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--periodic-rounds", type=int, default=4)
     p.add_argument("--periodic-budget", type=int, default=128)
     p.add_argument("--guard-window", type=int, default=32, help="verify steps watched after a swap")
+    p.add_argument("--guard-mode", choices=GUARD_MODES, default=GUARD_MODES[0],
+                   help="paired: replay previous and new weights on the post-swap feedback (same text); "
+                        "live: compare live tau before and after the swap (different text)")
+    p.add_argument("--guard-margin", type=float, default=0.1, help="relative tau drop that rolls a swap back")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--accepted-keep", type=float, default=1.0,
                    help="share of accepted (non-mistake) positions in the update loss (mistakes always in)")
@@ -400,7 +406,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
         min_train_positions=args.min_train_positions, explore_budget=args.explore_budget,
         bandit=BanditConfig(budgets=budgets, explore_after_harm=args.explore_after_harm,
                             retry_growth=args.retry_growth),
-        guard=GuardConfig(window_steps=args.guard_window),
+        guard=GuardConfig(window_steps=args.guard_window, margin=args.guard_margin, mode=args.guard_mode),
         online=OnlineConfig(lr=args.lr, accepted_keep=args.accepted_keep, unroll_steps=args.unroll_steps,
                             window_tokens=args.window_tokens),
         buffer=BufferConfig(heldout_sequences=args.heldout),
@@ -559,7 +565,8 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
                       "controller": {"decide_every_steps": args.decide_every_steps, "horizon_s": args.horizon_s,
                                      "budgets": list(budgets), "fixed_budget": args.fixed_budget,
                                      "periodic_rounds": args.periodic_rounds, "periodic_budget": args.periodic_budget,
-                                     "guard_window": args.guard_window, "lr": args.lr,
+                                     "guard_window": args.guard_window, "guard_mode": args.guard_mode,
+                                     "guard_margin": args.guard_margin, "lr": args.lr,
                                      "accepted_keep": args.accepted_keep,
                                      "explore_after_harm": args.explore_after_harm,
                                      "retry_growth": args.retry_growth,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import random
 import threading
 import time
@@ -21,7 +22,7 @@ from adaptation.cost_model import CostConfig
 from adaptation.feedback import BufferConfig, FeedbackRecord, FeedbackSink, ReplayBuffer, SinkConfig
 from adaptation.gain import ReplayConfig, replay_units, replica, tau_of
 from adaptation.online import OnlineConfig, OnlineUpdater
-from adaptation.rollback import GuardConfig
+from adaptation.rollback import GuardConfig, GuardMode
 from speculation.config import ConfigError, EngineConfig, Eagle3Config, SamplingConfig, SpecBlockConfig
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.specblock import build_specblock_drafter
@@ -357,6 +358,38 @@ def test_rollback_restores_previous_weights_when_live_tau_collapses():
     restored = live.state_dict()
     assert restored.keys() == before.keys() and all(torch.equal(restored[k], before[k]) for k in before)
     assert outs == _feedback("eagle3")[1][:4]  # lossless throughout
+    # paired (default) mode: the verdict replayed both weights on the post-swap text
+    assert closing[0].tau_replay_new < closing[0].tau_replay_prev * 0.9
+
+
+@pytest.mark.parametrize("mode, expect", [(GuardMode.LIVE, Outcome.ROLLED_BACK), (GuardMode.PAIRED, Outcome.KEPT)])
+def test_paired_guard_keeps_a_harmless_swap_that_meets_harder_text(mode, expect):
+    """The window after a swap covers other text than the window before it. Here the update is
+    harmless (the very same weights) but the text after the swap drafts worse (records served by
+    an untrained head): the live guard reads the text's difficulty as harm and rolls back, the
+    paired guard replays previous and new weights on the same window and keeps it."""
+    target = _target()
+    live = _drafter("eagle3", target)
+    live.load_state_dict(_candidate("eagle3").state)
+    ctl = _controller(live, live.load_state_dict, guard=GuardConfig(window_steps=30, margin=0.1, mode=mode))
+    ctl.weights = live.state_dict()
+    ctl.horizon_tokens_override = 1e4
+    _serve(target, live, _prompts(4), FeedbackSink(ctl.add), first_id=100)
+    ctl.apply(dict(ctl.weights), 16, ctl.cost.cost(16), positions=5)
+    ctl.add(_feedback("eagle3")[0][:40])
+    closing = ctl.decisions[-1]
+    assert closing.outcome is expect
+    assert closing.tau_post < closing.tau_pre * 0.9  # live windows: the text got harder
+    if mode is GuardMode.PAIRED:
+        assert closing.tau_replay_new == closing.tau_replay_prev > 1.0 and closing.realised_gain_s == 0.0
+    else:
+        assert math.isnan(closing.tau_replay_prev) and closing.realised_gain_s < 0
+
+
+def test_guard_config_names_the_field_and_the_allowed_modes():
+    assert GuardConfig(mode="live").mode is GuardMode.LIVE and GuardConfig().mode is GuardMode.PAIRED
+    with pytest.raises(ConfigError, match=r"adapt.guard.mode must be one of live, paired, got 'pairs'"):
+        GuardConfig(mode="pairs")
 
 
 def test_greedy_output_stays_lossless_across_mid_generation_swaps():

@@ -169,6 +169,8 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
                         ({"retry_growth": 1}, "serve.learner.retry_growth must be a number > 1"),
                         ({"accepted_keep": 1.5}, "serve.learner.accepted_keep must be a number in [0, 1]"),
                         ({"explore_budget": 2}, "serve.learner.explore_budget must be a number in [0, 1] or null"),
+                        ({"guard_mode": "both"}, "serve.learner.guard_mode must be one of ['paired', 'live']"),
+                        ({"guard_margin": 1.0}, "serve.learner.guard_margin must be a number in [0, 1)"),
                         ({"min_train_positions": -5}, "serve.learner.min_train_positions must be an integer in [0, "),
                         ({"bogus": 1}, "serve.learner: unknown key(s) ['bogus']")]:
         with pytest.raises(ConfigError) as e:
@@ -182,6 +184,14 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
     ctl = controller_config(serve_config_from_dict({"learner": {"min_train_positions": 700, "retry_growth": 3.0, "accepted_keep": 0.5, "explore_budget": 0.1}}).learner)
     assert ctl.min_train_positions == 700 and ctl.bandit.retry_growth == 3.0 and ctl.online.accepted_keep == 0.5
     assert ctl.explore_budget == 0.1
+    from adaptation.rollback import GuardMode
+    from cluster.serve_config import GUARD_MODES
+    from graftblock.adapt import GUARD_MODES as CLI_GUARD_MODES
+
+    assert set(GUARD_MODES) == set(CLI_GUARD_MODES) == {m.value for m in GuardMode}
+    guard = controller_config(serve_config_from_dict({"learner": {"guard_mode": "live", "guard_margin": 0.2}}).learner).guard
+    assert guard.mode is GuardMode.LIVE and guard.margin == 0.2
+    assert controller_config(serve_config_from_dict({}).learner).guard.mode is GuardMode.PAIRED
 
 
 def test_a_method_that_is_not_learnable_gets_a_noop_learner_and_says_so(caplog):
