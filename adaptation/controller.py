@@ -150,9 +150,18 @@ class Decision:
     reward_s: float = math.nan
     wall_time: float = 0.0
 
+    @property
+    def spent_s(self) -> float:
+        """Serving seconds this round spent: a gated candidate its training and replay, an applied
+        one also its sync (the guard's replay is counted when the watch closes); else 0."""
+        if self.outcome is Outcome.GATED:
+            return self.cost.tried_s - self.cost.sync_s
+        return self.cost.tried_s if self.outcome is Outcome.APPLIED else 0.0
+
     def metrics(self) -> dict[str, float]:
         out = {"arm": float(self.arm), "cost_s": self.cost.total_s, "cost_train_s": self.cost.train_s,
                "cost_contention": self.cost.contention, "cost_sync_s": self.cost.sync_s,
+               "cost_replay_s": self.cost.replay_s,
                "train_s": self.train_s, "sync_s": self.sync_s, "loss": self.loss,
                "tau_pre": self.tau_pre, "tau_post": self.tau_post,
                "tau_replay_prev": self.tau_replay_prev, "tau_replay_new": self.tau_replay_new,
@@ -198,6 +207,7 @@ class AdaptationController:
         self._busy: list[tuple[float, float]] = []
         self._first_wall: float | None = None  # wall time of the first feedback record
         self.refused_s = 0.0  # training + replay seconds of candidates the gate refused
+        self.guard_replay_cost_s = 0.0  # serving seconds the paired guard's replays cost
         self._lock = threading.RLock()
         self.horizon_tokens_override: float | None = None
 
@@ -268,12 +278,13 @@ class AdaptationController:
                 sync_s = self._publish(result.state)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.APPLIED, cost, None, train_s, sync_s,
                                           result.mean_loss))
-            r0 = time.perf_counter()
+            r0 = time.time()
             est = self.estimate(result.state)
-            replay_s = time.perf_counter() - r0
+            self._busy.append((r0, time.time()))
+            cost = dataclasses.replace(cost, replay_s=time.time() - r0)
             if not gate(est.gain_lo_s, cost.total_s):
-                self.refused_s += train_s + replay_s
-                reward = -cost.train_s * cost.contention
+                self.refused_s += train_s + cost.replay_s
+                reward = cost.sync_s - cost.tried_s  # trained and replayed, never synced
                 self.bandit.record(arm, reward, {arm: reward}, harmful=est.gain_hi_s < 0, positions=positions)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.GATED, cost, est, train_s,
                                           loss=result.mean_loss, reward_s=reward))
@@ -333,7 +344,9 @@ class AdaptationController:
         return dt
 
     def _paired_verdict(self) -> tuple[GuardVerdict, float, float]:
-        """Replay the previous and the live weights on the guard window's feedback (same text)."""
+        """Replay the previous and the live weights on the guard window's feedback (same text);
+        the replay's seconds join the pending update's cost."""
+        r0 = time.time()
         held = self.guard.window_sequences()
         chunk = self.config.replay.chunk
         assert self.guard.previous is not None
@@ -341,6 +354,12 @@ class AdaptationController:
         tau_prev = tau_of(replay_units(self._replica, held, chunk))
         self._replica.load_state_dict(self.weights)
         tau_new = tau_of(replay_units(self._replica, held, chunk))
+        self._busy.append((r0, time.time()))
+        assert self._pending is not None
+        arm, cost, est, positions = self._pending
+        guard_s = time.time() - r0
+        self.guard_replay_cost_s += guard_s * cost.contention
+        self._pending = (arm, dataclasses.replace(cost, replay_s=cost.replay_s + guard_s), est, positions)
         return self.guard.judge(tau_prev, tau_new), tau_prev, tau_new
 
     def _close_watch(self, verdict: GuardVerdict, tau_replay_prev: float = math.nan,
@@ -358,7 +377,7 @@ class AdaptationController:
         if verdict is GuardVerdict.ROLLBACK:
             assert previous is not None
             sync_s = self._publish(previous)
-        reward = realised - cost.total_s
+        reward = realised - cost.tried_s
         counter = {arm: reward}
         self.bandit.record(arm, reward, counter, harmful=None if est is None else est.gain_hi_s < 0,
                            positions=positions)
@@ -379,7 +398,7 @@ class AdaptationController:
         n = {o: sum(d.outcome is o for d in self.decisions) for o in Outcome}
         out = {"rounds": float(self._rounds), "updates": float(n[Outcome.APPLIED]),
                "rollbacks": float(n[Outcome.ROLLED_BACK]), "gated": float(n[Outcome.GATED]),
-               "cost_s": sum(d.cost.total_s for d in self.decisions if d.outcome in (Outcome.APPLIED, Outcome.GATED)),
+               "cost_s": sum(d.spent_s for d in self.decisions) + self.guard_replay_cost_s,
                "weights_version": float(self.version), "refused_s": self.refused_s}
         if self.config.policy is Policy.COST_AWARE:
             out.update(self.bandit.regret())

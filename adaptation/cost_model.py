@@ -3,12 +3,18 @@
 (:mod:`speculation.cost` is the verify-cost curve c(T) used for tree sizing; this module prices
 *updates*.) For an arm that trains ``n`` optimizer steps:
 
-    C(n)   = n * s_opt * kappa + s_sync
+    C(n)   = n * s_opt * kappa + s_sync           (what applying costs: the gate's C)
+    E(n)   = C(n) + s_replay * kappa              (what trying the arm costs: the bandit's price)
     kappa  = clamp(1 - s_idle / s_busy, 0, 1)
 
 * ``s_opt``: seconds per optimizer step on the learner's resources (EMA of measured steps);
 * ``s_sync``: seconds of one weight sync, serialise + broadcast + the swap pause on the drafter
   workers (EMA of measured syncs); serving stalls for it;
+* ``s_replay``: seconds of the replays that judge a candidate (the gate's held-out replay of the
+  live and the candidate weights, and the paired swap guard's replay after an applied swap). It is
+  spent before the gate decides, so it is not in the gate's ``C`` (a sunk cost does not change
+  whether applying pays), but it is in the reward the bandit learns an arm's value from: an arm
+  whose candidates are always refused costs its training *and* its replays;
 * ``kappa``: contention, the fraction of serving throughput lost while the learner trains,
   measured from serving step times with the learner idle (``s_idle``) and busy (``s_busy``): over
   ``n * s_opt`` seconds of training, serving produces ``1 - kappa`` of its idle-rate output, so
@@ -74,16 +80,24 @@ class CostConfig:
 
 @dataclass(frozen=True)
 class CostEstimate:
-    """C(n) and its parts, seconds (module docstring)."""
+    """C(n) and its parts, seconds (module docstring). ``replay_s`` is the measured replay time
+    of this candidate (0 until it has been replayed)."""
 
     steps: int
     train_s: float
     contention: float
     sync_s: float
+    replay_s: float = 0.0
 
     @property
     def total_s(self) -> float:
+        """C: the gate's price of applying."""
         return self.train_s * self.contention + self.sync_s
+
+    @property
+    def tried_s(self) -> float:
+        """E: C plus the replays' serving time, the bandit's price of trying the arm."""
+        return self.total_s + self.replay_s * self.contention
 
 
 @dataclass

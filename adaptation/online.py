@@ -29,6 +29,16 @@ at rejected positions uses only the free signal. For SpecBlock the family runs w
 mask, and with a sparse, mistake-centred mask (``keep < 1``) it would train slot 0 only; without
 it, slot k of anchor i trains exactly when ``x_{i+2+k}`` is in the mask (EAGLE-3's TTT does the
 same per step).
+
+**Which windows: recency.** Each optimizer step draws ``batch_sequences`` windows; a window's
+request is drawn from the train part (oldest first, ``n`` requests) with probability
+
+    p_i  proportional to  2 ** (-(n - 1 - i) / h)            h = ``recency_half_life`` (requests)
+
+so the request ``h`` places back weighs half the newest. ``h = None`` draws uniformly. After a
+domain shift the buffer still holds mostly the old domain; uniform draws then spend most of a
+candidate's steps on text the drafter no longer serves, while the held-out part the gate replays
+on is the freshest traffic.
 """
 
 from __future__ import annotations
@@ -82,6 +92,8 @@ class OnlineConfig:
         grad_clip: global gradient-norm clip. > 0.
         weight_decay: AdamW weight decay. >= 0.
         seed: seeds window sampling and the mask's Bernoulli draws.
+        recency_half_life: requests back at which a request's draw weight halves (module
+            docstring); None = uniform. > 0.
     """
 
     lr: float = 3e-4
@@ -92,6 +104,7 @@ class OnlineConfig:
     grad_clip: float = 0.5
     weight_decay: float = 0.0
     seed: int = 0
+    recency_half_life: float | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -106,6 +119,18 @@ class OnlineConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"adapt.online.{name} must be {rule}, got {getattr(self, name)!r}")
+        h = self.recency_half_life
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0):
+            raise ConfigError(f"adapt.online.recency_half_life must be a number > 0 or null, got {h!r}")
+
+    def draw_weights(self, n: int) -> torch.Tensor | None:
+        """``[n]`` draw probabilities of the train part's requests, oldest first (module
+        docstring); None for uniform draws."""
+        if self.recency_half_life is None:
+            return None
+        age = torch.arange(n - 1, -1, -1, dtype=torch.float64)
+        w = torch.exp2(-age / self.recency_half_life)
+        return w / w.sum()
 
 
 def online_family(drafter: TrainableDrafter) -> DrafterFamily:
@@ -200,10 +225,15 @@ class OnlineUpdater:
         self.unroll = steps
         self._rounds = 0
 
-    def _batch(self, sequences: list[FeedbackSequence], gen: torch.Generator) -> FeatureBatch:
+    def _batch(self, sequences: list[FeedbackSequence], weights: torch.Tensor | None,
+               gen: torch.Generator) -> FeatureBatch:
         rows = []
         for _ in range(self.config.batch_sequences):
-            seq = sequences[int(torch.randint(len(sequences), (1,), generator=gen))]
+            if weights is None:
+                i = int(torch.randint(len(sequences), (1,), generator=gen))
+            else:
+                i = int(torch.multinomial(weights, 1, generator=gen))
+            seq = sequences[i]
             span = max(1, seq.length - self.config.window_tokens + 1)
             w = _window(seq, int(torch.randint(span, (1,), generator=gen)), self.config.window_tokens)
             rows.append(w.to_batch_row(mistake_mask(w, self.config.accepted_keep, gen)))
@@ -211,7 +241,7 @@ class OnlineUpdater:
 
     def train(self, base: StateDict, sequences: list[FeedbackSequence], steps: int) -> UpdateResult:
         """A candidate: ``base`` weights trained ``steps`` optimizer steps on ``sequences``."""
-        usable = [s for s in sequences if s.length >= 3]
+        usable = [s for s in sequences if s.length >= 3]  # order kept: oldest first
         if not usable:
             raise ValueError("no buffered training sequence has 3 or more positions: nothing to train on")
         cfg = self.config
@@ -225,9 +255,10 @@ class OnlineUpdater:
         seconds: list[float] = []
         losses: list[float] = []
         rows = 0
+        weights = cfg.draw_weights(len(usable))
         for _ in range(steps):
             t0 = time.perf_counter()
-            batch = self._batch(usable, gen)
+            batch = self._batch(usable, weights, gen)
             res = self.family.loss(model, self.embed, batch, t2d, self.unroll, gen)
             opt.zero_grad(set_to_none=True)
             if res.loss.requires_grad:

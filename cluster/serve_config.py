@@ -87,6 +87,9 @@ class LearnerServeConfig:
     """AdamW learning rate of an update. Range (0, 1]."""
     accepted_keep: float = 1.0
     """Share of accepted (non-mistake) positions in the update loss; mistakes are always in. Range [0, 1]."""
+    recency_half_life: float | None = None
+    """Requests back at which a buffered request's chance of being drawn for training halves, so a
+    candidate after a domain shift trains mostly on the new domain. null = uniform. Range > 0."""
     heldout_sequences: int = 4
     """Most recent requests kept apart for the gain replay. Range [1, 10000]."""
     min_train_sequences: int = 1
@@ -157,6 +160,9 @@ class LearnerServeConfig:
                                                 or not 0 <= self.explore_budget <= 1):
             raise ConfigError(f"serve.learner.explore_budget must be a number in [0, 1] or null, "
                               f"got {self.explore_budget!r}")
+        h = self.recency_half_life
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0):
+            raise ConfigError(f"serve.learner.recency_half_life must be a number > 0 or null, got {h!r}")
         if self.guard_mode not in GUARD_MODES:
             raise ConfigError(f"serve.learner.guard_mode must be one of {list(GUARD_MODES)}, got {self.guard_mode!r}")
         if isinstance(self.guard_margin, bool) or not isinstance(self.guard_margin, (int, float)) \

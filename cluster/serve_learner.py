@@ -75,7 +75,8 @@ def controller_config(cfg: LearnerServeConfig) -> ControllerConfig:
         min_train_sequences=cfg.min_train_sequences, min_train_positions=cfg.min_train_positions,
         explore_budget=cfg.explore_budget,
         bandit=BanditConfig(budgets=tuple(cfg.budgets), retry_growth=float(cfg.retry_growth)),
-        guard=GuardConfig(window_steps=cfg.guard_window, margin=float(cfg.guard_margin), mode=cfg.guard_mode), online=OnlineConfig(lr=cfg.lr, accepted_keep=float(cfg.accepted_keep)),
+        guard=GuardConfig(window_steps=cfg.guard_window, margin=float(cfg.guard_margin), mode=cfg.guard_mode),
+        online=OnlineConfig(lr=cfg.lr, accepted_keep=float(cfg.accepted_keep), recency_half_life=cfg.recency_half_life),
         buffer=BufferConfig(heldout_sequences=cfg.heldout_sequences),
     )
 

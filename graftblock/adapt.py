@@ -268,6 +268,8 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
                         "live: compare live tau before and after the swap (different text)")
     p.add_argument("--guard-margin", type=float, default=0.1, help="relative tau drop that rolls a swap back")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--recency-half-life", type=float, default=None,
+                   help="requests back at which a buffered request's training-draw weight halves (default: uniform)")
     p.add_argument("--accepted-keep", type=float, default=1.0,
                    help="share of accepted (non-mistake) positions in the update loss (mistakes always in)")
     p.add_argument("--unroll-steps", type=int, default=0, help="TTT steps / blocks per batch (0 = family default)")
@@ -356,6 +358,10 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[
         raise ConfigError(f"--min-train-positions must be >= 0, got {args.min_train_positions}")
     if not 0 <= args.accepted_keep <= 1:
         raise ConfigError(f"--accepted-keep must be in [0, 1], got {args.accepted_keep}")
+    if not 0 <= args.guard_margin < 1:
+        raise ConfigError(f"--guard-margin must be in [0, 1), got {args.guard_margin}")
+    if args.recency_half_life is not None and not args.recency_half_life > 0:
+        raise ConfigError(f"--recency-half-life must be > 0, got {args.recency_half_life}")
     if args.explore_budget is not None and not 0 <= args.explore_budget <= 1:
         raise ConfigError(f"--explore-budget must be in [0, 1], got {args.explore_budget}")
     if args.stream:
@@ -408,6 +414,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
                             retry_growth=args.retry_growth),
         guard=GuardConfig(window_steps=args.guard_window, margin=args.guard_margin, mode=args.guard_mode),
         online=OnlineConfig(lr=args.lr, accepted_keep=args.accepted_keep, unroll_steps=args.unroll_steps,
+                            recency_half_life=args.recency_half_life,
                             window_tokens=args.window_tokens),
         buffer=BufferConfig(heldout_sequences=args.heldout),
     )
@@ -568,6 +575,7 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
                                      "guard_window": args.guard_window, "guard_mode": args.guard_mode,
                                      "guard_margin": args.guard_margin, "lr": args.lr,
                                      "accepted_keep": args.accepted_keep,
+                                     "recency_half_life": args.recency_half_life,
                                      "explore_after_harm": args.explore_after_harm,
                                      "retry_growth": args.retry_growth,
                                      "min_train_positions": args.min_train_positions, "heldout": args.heldout,

@@ -202,9 +202,13 @@ def test_gate_applies_when_gain_beats_cost_and_skips_otherwise():
         assert d.gain is not None and d.gain.tau_new > d.gain.tau_old
         assert d.cost.total_s == pytest.approx(16 * ctl.cost.step_s * 1.0 + 0.5)  # kappa = 1 (blocking twin)
         assert (d.gain.gain_lo_s > d.cost.total_s) == (expect is Outcome.APPLIED)
+        # the held-out replay was timed: not in the gate's C (sunk when it decides), in the arm's price
+        assert d.cost.replay_s > 0 and d.cost.tried_s == pytest.approx(d.cost.total_s + d.cost.replay_s)
     assert len(published) == 1  # only the applied round swapped weights
-    # a gated round costs its training time: the bandit learns it, skip (0) stays at 0
-    assert ctl.bandit.stats[16].mean < 0 and ctl.bandit.stats[0].mean == 0
+    # a gated round costs its training and its replay: the bandit learns it, skip (0) stays at 0
+    assert ctl.bandit.stats[16].mean == pytest.approx(-(d.train_s + d.cost.replay_s), rel=0.05)
+    assert ctl.bandit.stats[0].mean == 0 and ctl.summary()["cost_s"] == pytest.approx(d.spent_s)
+    assert d.spent_s == pytest.approx(d.cost.train_s + d.cost.replay_s)  # never synced
 
 
 def test_cost_prices_contention_from_serving_steps_measured_idle_and_busy():
@@ -384,6 +388,24 @@ def test_paired_guard_keeps_a_harmless_swap_that_meets_harder_text(mode, expect)
         assert closing.tau_replay_new == closing.tau_replay_prev > 1.0 and closing.realised_gain_s == 0.0
     else:
         assert math.isnan(closing.tau_replay_prev) and closing.realised_gain_s < 0
+
+
+def test_recency_half_life_draws_training_windows_mostly_from_the_newest_requests():
+    cfg = OnlineConfig(recency_half_life=2.0)
+    w = cfg.draw_weights(5)  # oldest first
+    assert float(w.sum()) == pytest.approx(1.0) and w[-1] == pytest.approx(2 * w[-3])
+    assert OnlineConfig().draw_weights(5) is None  # uniform: the old draws, unchanged
+    for bad in (0, -1.0, True, "2"):
+        with pytest.raises(ConfigError, match="adapt.online.recency_half_life must be a number > 0 or null"):
+            OnlineConfig(recency_half_life=bad)
+    drafter = _drafter("eagle3")
+    seqs = _buffer("eagle3").train_sequences()  # 12 requests, oldest first
+    newest = set(seqs[-1].tokens.tolist())
+    gen = torch.Generator().manual_seed(0)
+    up = OnlineUpdater(drafter, OnlineConfig(recency_half_life=0.25, batch_sequences=8))
+    batch = up._batch(seqs, up.config.draw_weights(len(seqs)), gen)  # weight of the 2nd newest: 1/16
+    rows_from_newest = sum(set(r.tolist()) <= newest for r in batch.input_ids[:, :4])
+    assert rows_from_newest >= 6, rows_from_newest
 
 
 def test_guard_config_names_the_field_and_the_allowed_modes():

@@ -171,6 +171,7 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
                         ({"explore_budget": 2}, "serve.learner.explore_budget must be a number in [0, 1] or null"),
                         ({"guard_mode": "both"}, "serve.learner.guard_mode must be one of ['paired', 'live']"),
                         ({"guard_margin": 1.0}, "serve.learner.guard_margin must be a number in [0, 1)"),
+                        ({"recency_half_life": 0}, "serve.learner.recency_half_life must be a number > 0 or null"),
                         ({"min_train_positions": -5}, "serve.learner.min_train_positions must be an integer in [0, "),
                         ({"bogus": 1}, "serve.learner: unknown key(s) ['bogus']")]:
         with pytest.raises(ConfigError) as e:
@@ -191,6 +192,8 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
     assert set(GUARD_MODES) == set(CLI_GUARD_MODES) == {m.value for m in GuardMode}
     guard = controller_config(serve_config_from_dict({"learner": {"guard_mode": "live", "guard_margin": 0.2}}).learner).guard
     assert guard.mode is GuardMode.LIVE and guard.margin == 0.2
+    online = controller_config(serve_config_from_dict({"learner": {"recency_half_life": 8}}).learner).online
+    assert online.recency_half_life == 8 and controller_config(serve_config_from_dict({}).learner).online.recency_half_life is None
     assert controller_config(serve_config_from_dict({}).learner).guard.mode is GuardMode.PAIRED
 
 
