@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from speculation.kv_reserve import reserve_rows
 from speculation.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ class TargetModel:
         """Run the prompt. Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
-        state = TargetState(cache=DynamicCache(config=self.model.config))
+        state = TargetState(cache=reserve_rows(DynamicCache(config=self.model.config)))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(
             input_ids=input_ids,

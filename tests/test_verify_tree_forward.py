@@ -186,3 +186,39 @@ def test_commit_rejects_path_not_starting_at_root():
 def test_full_logits_helper_agrees_with_reference():
     ids = [1, 2, 3, 4]
     torch.testing.assert_close(full_logits(_model(), ids)[-1], reference(ids)[0], atol=0, rtol=0)
+
+
+def test_reserved_kv_rows_append_in_place_and_stay_exact_past_a_regrowth():
+    """The solo cache's layers (speculation.kv_reserve) write appends into spare rows instead of
+    concatenating: the buffer is reused between appends, regrows past its capacity, survives the
+    tree compaction and truncation, and every step's logits equal a fresh forward's."""
+    from speculation.kv_reserve import RESERVE_MIN_ROWS, ReservedLayer
+
+    target = _target()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(VOCAB, (20,), generator=g).tolist()
+    state, logits, _ = target.prefill(ids)
+    layer = state.cache.layers[0]
+    assert isinstance(layer, ReservedLayer)
+    buf = layer._kbuf.data_ptr()
+    tok = int(logits.argmax())
+    for i in range(RESERVE_MIN_ROWS + 20):  # crosses the first capacity (20 + 256 rows)
+        if i % 40 == 7:  # a tree step with a non-contiguous accepted path, then the compaction
+            tree = DraftTree(tok)
+            a = tree.add(0, (tok + 1) % VOCAB, 0.0, NodeSource.DRAFTER)
+            tree.add(0, (tok + 2) % VOCAB, 0.0, NodeSource.DRAFTER)
+            tree.add(a, (tok + 3) % VOCAB, 0.0, NodeSource.DRAFTER)
+            fwd = target.verify(state, tree)
+            target.commit(state, tree, [0, 2])
+            logits = fwd.logits[2]
+        else:
+            logits = target.decode(state, tok)
+        if i == 30:
+            assert layer._kbuf.data_ptr() == buf  # appends and compactions reused the buffer
+        tok = int(logits.argmax())
+        if i % 97 == 0 or i == RESERVE_MIN_ROWS + 19:
+            torch.testing.assert_close(logits, reference(state.tokens)[0], atol=ATOL, rtol=0)
+    assert layer._kbuf.data_ptr() != buf and layer._kbuf.shape[-2] >= state.length  # it regrew once full
+    target.truncate(state, 25)
+    logits = target.decode(state, 5)
+    torch.testing.assert_close(logits, reference(state.tokens)[0], atol=ATOL, rtol=0)

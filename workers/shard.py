@@ -49,6 +49,7 @@ import torch
 
 from speculation import assets
 from speculation.config import DType
+from speculation.kv_reserve import reserve_rows
 from speculation.kv_slots import KVSlotPool
 from speculation.target import (
     batch_tree_attention_inputs,
@@ -302,7 +303,7 @@ class TargetShard:
         from transformers import DynamicCache
 
         self._seqs.pop(seq_id, None)
-        seq = _Sequence(DynamicCache(config=self.config))
+        seq = _Sequence(reserve_rows(DynamicCache(config=self.config)))
         self._seqs[seq_id] = seq
         while len(self._seqs) > self.spec.max_sequences:
             self._seqs.popitem(last=False)
