@@ -183,11 +183,15 @@ class AdaptationController:
         publish: pushes a state dict to the serving drafters.
         config: knobs.
         weights: the live weights, if not the drafter's (a restarted learner's last published).
+        clock: seconds, the time base of the feedback records' ``wall_time`` (``time.time`` in
+            serving; a benchmark that interleaves policies gives each its own serving clock, so
+            the traffic rate and the exploration budget see the time the policy served).
     """
 
     def __init__(self, drafter: TrainableDrafter, publish: Publisher, config: ControllerConfig | None = None,
-                 weights: StateDict | None = None) -> None:
+                 weights: StateDict | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config or ControllerConfig()
+        self.clock = clock
         self.publish_fn = publish
         self.buffer = ReplayBuffer(self.config.buffer)
         self.updater = OnlineUpdater(drafter, self.config.online)
@@ -268,9 +272,9 @@ class AdaptationController:
                 if cfg.policy is Policy.COST_AWARE:
                     self.bandit.record(SKIP, 0.0)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
-            t0 = time.time()
+            t0 = self.clock()
             result = self.updater.train(self.weights, train, arm)
-            self._busy.append((t0, time.time()))
+            self._busy.append((t0, self.clock()))
             self.cost.observe_opt_steps(result.step_seconds)
             cost = self.cost.cost(arm)
             train_s = sum(result.step_seconds)
@@ -278,10 +282,10 @@ class AdaptationController:
                 sync_s = self._publish(result.state)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.APPLIED, cost, None, train_s, sync_s,
                                           result.mean_loss))
-            r0 = time.time()
+            r0 = self.clock()
             est = self.estimate(result.state)
-            self._busy.append((r0, time.time()))
-            cost = dataclasses.replace(cost, replay_s=time.time() - r0)
+            self._busy.append((r0, self.clock()))
+            cost = dataclasses.replace(cost, replay_s=self.clock() - r0)
             if not gate(est.gain_lo_s, cost.total_s):
                 self.refused_s += train_s + cost.replay_s
                 reward = cost.sync_s - cost.tried_s  # trained and replayed, never synced
@@ -309,7 +313,7 @@ class AdaptationController:
         budget = self.config.explore_budget
         if budget is None or arm == SKIP:
             return True
-        elapsed = time.time() - self._first_wall if self._first_wall is not None else 0.0
+        elapsed = self.clock() - self._first_wall if self._first_wall is not None else 0.0
         return self.refused_s + self.cost.cost(arm).train_s <= budget * elapsed
 
     def _arm(self, positions: int, peek: bool = False) -> int:
@@ -346,7 +350,7 @@ class AdaptationController:
     def _paired_verdict(self) -> tuple[GuardVerdict, float, float]:
         """Replay the previous and the live weights on the guard window's feedback (same text);
         the replay's seconds join the pending update's cost."""
-        r0 = time.time()
+        r0 = self.clock()
         held = self.guard.window_sequences()
         chunk = self.config.replay.chunk
         assert self.guard.previous is not None
@@ -354,10 +358,10 @@ class AdaptationController:
         tau_prev = tau_of(replay_units(self._replica, held, chunk))
         self._replica.load_state_dict(self.weights)
         tau_new = tau_of(replay_units(self._replica, held, chunk))
-        self._busy.append((r0, time.time()))
+        self._busy.append((r0, self.clock()))
         assert self._pending is not None
         arm, cost, est, positions = self._pending
-        guard_s = time.time() - r0
+        guard_s = self.clock() - r0
         self.guard_replay_cost_s += guard_s * cost.contention
         self._pending = (arm, dataclasses.replace(cost, replay_s=cost.replay_s + guard_s), est, positions)
         return self.guard.judge(tau_prev, tau_new), tau_prev, tau_new

@@ -85,10 +85,10 @@ class FeedbackRecord:
 
     @classmethod
     def from_outcome(
-        cls, request_id: Hashable, step: int, ctx: DraftContext, outcome: StepOutcome
+        cls, request_id: Hashable, step: int, ctx: DraftContext, outcome: StepOutcome, wall_time: float | None = None
     ) -> FeedbackRecord:
         """The record of one engine step. ``ctx.tokens`` already ends with the accepted drafts and
-        the bonus (the engine extends it before calling the hook)."""
+        the bonus (the engine extends it before calling the hook). ``wall_time``: now by default."""
         if outcome.aux_hidden is None:
             raise ValueError("feedback needs the target's aux hidden states (a feature drafter sets needs_aux)")
         n_new = len(outcome.accepted_tokens)  # accepted drafts + bonus
@@ -106,7 +106,7 @@ class FeedbackRecord:
             tree_parents=torch.tensor(tree.parents, dtype=torch.int32),
             target_topk=None if outcome.target_topk is None else outcome.target_topk.detach().to(torch.int32).clone(),
             context_tail=tuple(ctx.tokens[max(0, root_index - CONTEXT_TAIL) : root_index]),
-            wall_time=time.time(),
+            wall_time=time.time() if wall_time is None else wall_time,
         )
 
 
@@ -293,9 +293,11 @@ class FeedbackSink:
     Without ``start()`` the queue is drained by :meth:`drain` (tests, single-threaded twins).
     """
 
-    def __init__(self, consumer: Consumer, config: SinkConfig | None = None) -> None:
+    def __init__(self, consumer: Consumer, config: SinkConfig | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config or SinkConfig()
         self.consumer = consumer
+        self.clock = clock  # stamps the records' wall_time (the controller's time base)
         self.stats = SinkStats()
         self._queue: queue.Queue[FeedbackRecord] = queue.Queue(maxsize=self.config.max_queue)
         self._steps: dict[Hashable, int] = {}
@@ -310,7 +312,7 @@ class FeedbackSink:
         def emit(ctx: DraftContext, outcome: StepOutcome) -> None:
             step = self._steps.get(request_id, 0)
             self._steps[request_id] = step + 1
-            self.offer(FeedbackRecord.from_outcome(request_id, step, ctx, outcome))
+            self.offer(FeedbackRecord.from_outcome(request_id, step, ctx, outcome, self.clock()))
 
         return emit
 

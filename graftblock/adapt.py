@@ -18,7 +18,9 @@ drafter (same starting weights) and :class:`~adaptation.controller.AdaptationCon
 are interleaved policy by policy, so machine noise hits them alike. Feedback is drained and
 rounds run inside the decode loop's feedback hook, on the same cores: a request's wall time
 includes the updates (training, replay, sync) it waited for, so tokens/s is *net of update
-cost*. Output JSON::
+cost*. Each policy's controller runs on its own :class:`ServingClock` (wall time minus the other
+policies' requests), so its traffic rate and exploration budget are those of serving the stream
+alone. Output JSON::
 
     {"model", "dtype", "drafter", "phases", "requests_per_phase", "max_new_tokens",
      "policies": {"<name>": {"tokens_per_s", "tau", "updates", "rollbacks", "gated", "cost_s",
@@ -28,6 +30,8 @@ cost*. Output JSON::
                                                        "tau_series", "tokens_per_s_series"}},
                              "tau_series": [per request], "tokens_per_s_series": [per request],
                              "phase_series": [per request], "decisions": [...],
+                             "serving_s" (its requests' seconds), "foreign_s" (the other
+                             policies' seconds, outside its :class:`ServingClock`),
                              config_ucb only: "arm_series", "config_bandit": {regret, pulls, arms …}}}}
 
 Every decision is also an MLflow metric of the run (``tracking.adaptation``).
@@ -288,6 +292,22 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
 
 
 @dataclass
+class ServingClock:
+    """A policy's own serving time: wall time minus the time other policies' requests took.
+
+    adapt-bench interleaves the policies request by request. On the wall clock each policy would
+    see about half its real traffic rate (N of the gain), and an exploration budget measured on
+    the wall clock would be about twice as generous as intended. Each policy's controller and
+    feedback sink run on its own clock instead, so both see the stream as if served alone.
+    """
+
+    foreign_s: float = 0.0
+
+    def __call__(self) -> float:
+        return time.time() - self.foreign_s
+
+
+@dataclass
 class _PolicyRun:
     name: str
     drafter: Any = None
@@ -300,6 +320,7 @@ class _PolicyRun:
     phases: list[str] = field(default_factory=list)
     arms: list[str] = field(default_factory=list)
     decisions: list[Any] = field(default_factory=list)
+    clock: ServingClock = field(default_factory=ServingClock)
 
 
 def _encode(tokenizer, turns: list[tuple[str, str]], max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
@@ -430,9 +451,10 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
             runs.append(_PolicyRun(name, adapter=ConfigAdapter(target, arms, config_bandit)))
             continue
         drafter = build_drafter(spec, target)
+        clock = ServingClock()
         controller = AdaptationController(drafter, drafter.load_state_dict,
-                                          ControllerConfig(policy=Policy(name), **base))
-        run = _PolicyRun(name, drafter, controller, FeedbackSink(controller.add))
+                                          ControllerConfig(policy=Policy(name), **base), clock=clock)
+        run = _PolicyRun(name, drafter, controller, FeedbackSink(controller.add, clock=clock), clock=clock)
         if log is not None:
             controller.on_decision = (lambda d, _n=name: log.log_decision(_n, d.outcome.value, d.metrics()))
         runs.append(run)
@@ -459,6 +481,9 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
                 res = generate_speculative(target, run.drafter, prompt, engine, feedback=feedback)
                 run.walls.append(time.perf_counter() - t0)
                 run.sink.end_request(i)
+            for other in runs:  # this request's time is foreign to every other policy's clock
+                if other is not run:
+                    other.clock.foreign_s += run.walls[-1]
             run.tokens.append(res.tokens)
             run.taus.append(sum(s.tokens_gained for s in res.steps) / max(1, len(res.steps)))
             run.phases.append(phase)
@@ -550,7 +575,8 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
             }
         common = {"tokens_per_s": n_tok / sum(run.walls), "tau": sum(run.taus) / len(run.taus),
                   "lossless": run.tokens == ref, "per_phase": per_phase, "tau_series": run.taus,
-                  "tokens_per_s_series": speeds, "phase_series": run.phases}
+                  "tokens_per_s_series": speeds, "phase_series": run.phases,
+                  "serving_s": sum(run.walls), "foreign_s": run.clock.foreign_s}
         if run.adapter is not None:
             s = run.adapter.summary()
             policies[run.name] = {

@@ -564,6 +564,10 @@ def test_adapt_bench_cli_runs_the_policies_and_logs_decisions(tiny_model_dir, tm
     assert pol["static"]["updates"] == 0 and pol["always"]["updates"] >= 1
     assert pol["cost_aware"]["regret"] is not None and len(pol["always"]["tau_series"]) == 4
     assert {"chat", "code"} == set(pol["always"]["per_phase"])
+    # every policy's controller ran on its own serving clock: the others' requests are foreign time
+    for name, p in pol.items():
+        others = sum(q["serving_s"] for n, q in pol.items() if n != name)
+        assert p["foreign_s"] == pytest.approx(others, rel=1e-9) and p["foreign_s"] > 0
     # A benchmark result: its command, environment and controller settings, and the tau plot beside it.
     assert res["kind"] == "adapt_bench" and res["command"].startswith("graftblock adapt-bench --model ")
     assert res["env"]["torch"] and res["controller"]["budgets"] == [0, 4]
