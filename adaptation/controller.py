@@ -49,6 +49,9 @@ from adaptation.online import OnlineConfig, OnlineUpdater, StateDict, TrainableD
 from adaptation.rollback import GuardConfig, GuardVerdict, SwapGuard
 from speculation.config import ConfigError
 
+PROBE_STEPS = 2
+"""Optimizer steps timed before the first candidate when an exploration budget is set."""
+
 Publisher = Callable[[StateDict], None]
 """Pushes weights to the serving drafters (returns when they are swapped in)."""
 
@@ -264,6 +267,8 @@ class AdaptationController:
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
             if cfg.policy is Policy.COST_AWARE:
                 next_arm = self._arm(positions, peek=True)
+                if next_arm != SKIP and cfg.explore_budget and not self.cost.opt_step.known:
+                    self._probe_step_cost(train)
                 if not self._within_explore_budget(next_arm):
                     # the refused candidates have cost their share of serving time: no new one now
                     return self._log(Decision(self._rounds, cfg.policy, next_arm, Outcome.SKIPPED, self.cost.cost(SKIP)))
@@ -306,6 +311,17 @@ class AdaptationController:
             self._pending = (arm, cost, est, positions)
             return self._log(Decision(self._rounds, self.config.policy, arm, Outcome.APPLIED, cost, est, train_s,
                                       sync_s, loss, tau_pre=tau_pre))
+
+    def _probe_step_cost(self, train: list) -> None:
+        """Time :data:`PROBE_STEPS` optimizer steps (result discarded) so the exploration budget
+        prices the first candidate at the measured step cost, not the prior ``default_step_s``
+        (which on a slow host can hold off the first candidate for minutes, on a fast one let it
+        overspend). Their seconds count as refused exploration."""
+        t0 = self.clock()
+        result = self.updater.train(self.weights, train, PROBE_STEPS)
+        self._busy.append((t0, self.clock()))
+        self.cost.observe_opt_steps(result.step_seconds)
+        self.refused_s += self.clock() - t0
 
     def _within_explore_budget(self, arm: int) -> bool:
         """Whether a candidate of ``arm`` may be trained: refused candidates so far plus this one's

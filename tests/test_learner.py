@@ -317,19 +317,28 @@ def test_no_candidate_is_trained_before_min_train_positions():
 
 def test_explore_budget_bounds_what_refused_candidates_may_cost():
     """cost_aware trains a candidate only while the candidates the gate refused, plus this one's
-    expected training, stay within explore_budget of the serving wall time."""
+    expected training, stay within explore_budget of the serving wall time. Before the first
+    candidate the step cost is measured (a probe of PROBE_STEPS steps, counted as exploration)
+    rather than taken from the prior (1 s per step)."""
+    from adaptation.controller import PROBE_STEPS
+
     buf = _buffer("eagle3")
-    for budget, elapsed, trained in ((None, 0.0, True), (0.0, 1e6, False), (0.5, 1e6, True), (0.5, 2.0, False)):
+    for budget, elapsed, trained in ((None, 0.0, True), (0.0, 1e6, False), (0.5, 1e6, True), (0.5, 1e-3, False),
+                                     (0.5, 8.0, True)):  # the prior would price 4 steps at 4 s > 0.5 * 8 s - probe
         ctl = _controller(_drafter("eagle3"), lambda state: None, explore_budget=budget,
                           bandit=BanditConfig(budgets=(0, 4)))
         ctl.buffer = buf
         ctl._first_wall = time.time() - elapsed  # as if the first record arrived `elapsed` s ago
-        d = ctl.round()  # the cost model's prior prices 4 steps at 4 s before any is measured
+        d = ctl.round()
         assert (d.outcome is not Outcome.SKIPPED) == trained and d.arm == 4, (budget, elapsed, d)
+        probed = bool(budget)  # a zero budget never explores, so it never probes either
+        assert ctl.cost.opt_step.count == (PROBE_STEPS if probed else 0) + (4 if trained else 0)
+        if probed:
+            assert 0 < ctl.cost.step_s < 1.0 and ctl.refused_s > 0  # measured; the probe is exploration
         if d.outcome is Outcome.GATED:
             assert ctl.refused_s > 0 and ctl.summary()["refused_s"] == ctl.refused_s
     ctl = _controller(_drafter("eagle3"), lambda state: None, explore_budget=0.5, bandit=BanditConfig(budgets=(0, 4)))
-    ctl.buffer, ctl._first_wall, ctl.refused_s = buf, time.time() - 100.0, 47.0  # 47 + 4 > 50: over budget
+    ctl.buffer, ctl._first_wall, ctl.refused_s = buf, time.time() - 100.0, 50.0  # 50 + probe + 4 steps > 50
     assert ctl.round().outcome is Outcome.SKIPPED and ctl.bandit.rounds == 0
     for bad in (-0.1, 1.5, "0.1", True):
         with pytest.raises(ConfigError, match="adapt.explore_budget must be a number in"):
