@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from adaptation.bandit import SKIP, BanditConfig, CostAwareBandit, gate
 from adaptation.cost_model import CostConfig, CostEstimate, UpdateCostModel
-from adaptation.feedback import BufferConfig, FeedbackRecord, ReplayBuffer
+from adaptation.feedback import BufferConfig, FeedbackRecord, FeedbackSequence, ReplayBuffer
 from adaptation.gain import (
     GainEstimate,
     ReplayConfig,
@@ -215,6 +215,7 @@ class AdaptationController:
         self._first_wall: float | None = None  # wall time of the first feedback record
         self.refused_s = 0.0  # training + replay seconds of candidates the gate refused
         self.guard_replay_cost_s = 0.0  # serving seconds the paired guard's replays cost
+        self.probe_cost_s = 0.0  # serving seconds the step-cost probe cost
         self._lock = threading.RLock()
         self.horizon_tokens_override: float | None = None
 
@@ -312,7 +313,7 @@ class AdaptationController:
             return self._log(Decision(self._rounds, self.config.policy, arm, Outcome.APPLIED, cost, est, train_s,
                                       sync_s, loss, tau_pre=tau_pre))
 
-    def _probe_step_cost(self, train: list) -> None:
+    def _probe_step_cost(self, train: list[FeedbackSequence]) -> None:
         """Time :data:`PROBE_STEPS` optimizer steps (result discarded) so the exploration budget
         prices the first candidate at the measured step cost, not the prior ``default_step_s``
         (which on a slow host can hold off the first candidate for minutes, on a fast one let it
@@ -322,6 +323,7 @@ class AdaptationController:
         self._busy.append((t0, self.clock()))
         self.cost.observe_opt_steps(result.step_seconds)
         self.refused_s += self.clock() - t0
+        self.probe_cost_s += (self.clock() - t0) * self.cost.contention
 
     def _within_explore_budget(self, arm: int) -> bool:
         """Whether a candidate of ``arm`` may be trained: refused candidates so far plus this one's
@@ -418,7 +420,7 @@ class AdaptationController:
         n = {o: sum(d.outcome is o for d in self.decisions) for o in Outcome}
         out = {"rounds": float(self._rounds), "updates": float(n[Outcome.APPLIED]),
                "rollbacks": float(n[Outcome.ROLLED_BACK]), "gated": float(n[Outcome.GATED]),
-               "cost_s": sum(d.spent_s for d in self.decisions) + self.guard_replay_cost_s,
+               "cost_s": sum(d.spent_s for d in self.decisions) + self.guard_replay_cost_s + self.probe_cost_s,
                "weights_version": float(self.version), "refused_s": self.refused_s}
         if self.config.policy is Policy.COST_AWARE:
             out.update(self.bandit.regret())

@@ -656,50 +656,56 @@ class BatchEngine:
     def _goodput(self) -> bool:
         return self.config.goodput and self.cost_model is not None
 
-    def _split(self, lives: list[_Live], drafts: list[int], drafting_s: float) -> Split:
+    def _split(self, lives: list[_Live], drafts: list[int], drafting_s: float, spent: bool = True) -> Split:
         """The goodput split of this step when sequence b can verify ``drafts[b]`` draft nodes
-        (cut to :func:`~speculation.goodput.exploration_cap`) and drafting costs ``drafting_s``."""
+        (cut to :func:`~speculation.goodput.exploration_cap`) and drafting costs ``drafting_s``
+        (``spent``: already paid, or, before drafting, paid only by a split that verifies drafts)."""
         assert self.cost_model is not None
         room = [min(n, exploration_cap(lv.ranks.explored)) for lv, n in zip(lives, drafts)]
         return split_budget([lv.ranks.estimate(n) for lv, n in zip(lives, room)], room, self.cost_model,
                             budget=self.config.step_token_budget, drafting_s=drafting_s,
-                            contexts=[lv.state.length for lv in lives], correction=self.cost_correction.factor)
+                            contexts=[lv.state.length for lv in lives], correction=self.cost_correction.factor,
+                            drafting_spent=spent)
 
     MAX_PROBE_EVERY = 64
 
     def _drafting_check(self, lives: list[_Live], caps: list[int]) -> DraftingCheck:
-        """Before drafting: could any draft node pay this step? Priced with the EMA of past drafted
-        steps' drafting seconds (:attr:`drafting_s`), on two tree sizes per sequence:
+        """Before drafting: could any draft node pay this step, drafting included?
 
-        * expected: ``min(cap - 1, round(draft_size))`` draft nodes (what its drafter proposed
-          lately; a retrieval drafter often proposes a few nodes or none). A split that verifies
-          some of them: DRAFT.
-        * full: ``cap - 1`` draft nodes. A split that verifies nothing even then: SKIP (no tree
-          the drafter may propose can pay).
-        * Otherwise only the estimate says skip. It is not re-measured while drafting is skipped,
-          so every ``probe_every``-th such step drafts anyway (PROBE); a probe that verifies
-          nothing doubles ``probe_every`` (up to :attr:`MAX_PROBE_EVERY`), one that verifies a
-          draft resets it to 1.
+        * expected: ``min(cap - 1, round(draft_size))`` draft nodes per sequence (what its drafter
+          proposed lately; a retrieval drafter often proposes a few nodes or none), priced with
+          the EMA of past drafted steps' drafting seconds (:attr:`drafting_s`), which the vanilla
+          split would not spend. A split that verifies some of them: DRAFT.
+        * full: ``cap - 1`` draft nodes drafted for free. A split that verifies nothing even then:
+          SKIP (no tree the drafter may propose can pay, whatever drafting costs).
+        * Otherwise the estimates say skip: a tree smaller than the cap, or drafting dearer than
+          what the drafts are expected to gain (a neural drafter's forwards on a CPU). They are
+          not re-measured while drafting is skipped, so every ``probe_every``-th such step drafts
+          anyway (PROBE); a probe whose drafting did not pay (:meth:`_after_drafting`) doubles
+          ``probe_every`` (up to :attr:`MAX_PROBE_EVERY`), one that paid resets it to 1.
         """
         full = [c - 1 for c in caps]
         expected = [f if lv.draft_size is None else min(f, round(lv.draft_size)) for lv, f in zip(lives, full)]
-        if any(self._split(lives, expected, self.drafting_s).drafts):
+        if any(self._split(lives, expected, self.drafting_s, spent=False).drafts):
             return DraftingCheck.DRAFT
-        if expected == full or not any(self._split(lives, full, self.drafting_s).drafts):
+        if not any(self._split(lives, full, 0.0).drafts):
             return DraftingCheck.SKIP
         self._skips_since_draft += 1
         return DraftingCheck.PROBE if self._skips_since_draft > self._probe_every else DraftingCheck.SKIP
 
     def _after_drafting(self, check: DraftingCheck, lives: list[_Live],
                         proposed: list[tuple[DraftTree, Proposal | None, float]], split: Split) -> None:
-        """Book a drafted step: drafting seconds (EMA), proposed sizes, and the probe backoff."""
+        """Book a drafted step: drafting seconds (EMA), proposed sizes, and the probe backoff (the
+        step's drafting paid when its trees, priced with their drafting seconds not yet spent,
+        beat the vanilla split)."""
         spent = sum(p[2] for p in proposed)
         self.drafting_s = spent if self.drafting_s == 0.0 else 0.9 * self.drafting_s + 0.1 * spent
         for lv, (tree, proposal, _) in zip(lives, proposed):
             if proposal is not None:
                 lv.observe_draft_size(len(tree) - 1)
         self._skips_since_draft = 0
-        if any(split.drafts):
+        paid = any(split.drafts) and any(self._split(lives, split.drafts, spent, spent=False).drafts)
+        if paid:
             self._probe_every = 1
         elif check is DraftingCheck.PROBE:
             self._probe_every = min(2 * self._probe_every, self.MAX_PROBE_EVERY)

@@ -28,9 +28,14 @@ candidate, so speculation is never chosen at a predicted loss.
 
 Two guards around the rule, both in :class:`~speculation.engine.BatchEngine`:
 
-- **Draft at all?** Before drafting, the engine runs the rule with every tree at its cap and free
-  drafting. If even that verifies no draft node, the real split (smaller trees, drafting paid)
-  cannot either, so drafters that can sit out a step
+- **Draft at all?** Before drafting, the engine runs the rule on the trees it expects, with
+  drafting *not yet spent*: a split that verifies drafts pays ``d`` (the EMA of past drafting
+  seconds), the vanilla split ``t = 1`` does not,
+
+      draft  iff  max_{n} (B + sum_b sum_{r < n_b} q_b[r]) / (k c(B, 1 + max n_b, L) + d)  >  B / (k c(B, 1, L))
+
+  (after drafting, ``d`` is sunk and every candidate pays it, so it no longer favours t = 1).
+  If the expected trees cannot pay, nor full trees, drafters that can sit out a step
   (:class:`~speculation.drafters.base.SkippableDrafter`) are not called: the step is batched
   vanilla at batched vanilla's price.
 - **Ranks open by doubling** (:func:`exploration_cap`): a sequence verifies at most
@@ -160,10 +165,13 @@ def split_budget(
     drafting_s: float = 0.0,
     contexts: Sequence[int] | None = None,
     correction: float = 1.0,
+    drafting_spent: bool = True,
 ) -> Split:
     """Draft nodes per sequence maximising G (module docstring). ``estimates[b]``: q_b, non-increasing;
     ``caps[b]``: most draft nodes sequence b can verify; ``budget``: most tree tokens in total;
-    ``contexts[b]``: sequence b's committed KV length (0 when None); ``correction``: ``k``."""
+    ``contexts[b]``: sequence b's committed KV length (0 when None); ``correction``: ``k``;
+    ``drafting_spent``: whether ``drafting_s`` is already spent (every candidate pays it) or still
+    to be decided (the pre-drafting check: the vanilla split ``t = 1`` would not pay it)."""
     B = len(estimates)
     if B == 0 or len(caps) != B or (contexts is not None and len(contexts) != B):
         raise ValueError("split_budget needs one estimate, one cap (and one context) per sequence, at least one")
@@ -191,7 +199,8 @@ def split_budget(
                     taken += 1
         rows = 1 + max(drafts)
         fwd = correction * cost.cost(B, rows, L)
-        cand = Split(drafts, acc, fwd + drafting_s, fwd, rows)
+        d = drafting_s if drafting_spent or rows > 1 else 0.0
+        cand = Split(drafts, acc, fwd + d, fwd, rows)
         if best is None or cand.tokens_per_s > best.tokens_per_s:
             best = cand
     assert best is not None

@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 
+import time
+
 import pytest
 import torch
 
@@ -530,6 +532,46 @@ def test_goodput_skips_drafters_that_propose_nothing_and_probes_them_with_backof
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0], gaps  # the backoff doubles
     assert _SilentRetrieval.proposals == 2 * len(drafted) < len(steps)  # both sequences, on drafted steps only
     assert engine._probe_every > 1
+
+
+class _SlowRetrieval(_CountingRetrieval):
+    """Retrieval whose drafting costs 30 ms a call (a neural drafter's forwards on a CPU)."""
+
+    proposals = 0
+
+    def propose(self, ctx):
+        time.sleep(0.03)
+        return super().propose(ctx)
+
+
+def test_goodput_charges_drafting_to_the_trees_and_steps_aside_when_it_costs_more_than_it_gains():
+    """The pre-drafting check prices drafting into the splits that verify drafts, not into the
+    vanilla split that would not draft. A drafter whose drafting costs several forwards (30 ms
+    against a 5 ms step) drafts on the first step, then only on probes whose spacing grows, while
+    the same engine with free drafting drafts on most steps; outputs equal solo vanilla."""
+    from speculation.goodput import BatchCostModel
+
+    target = tiny_target(_model())
+    fast = BatchCostModel({8: {1: {1: 0.005, 64: 0.0075}, 4: {1: 0.005, 64: 0.0075}}})
+    cfg = BatchConfig(max_sequences=4, max_tokens_per_sequence=64, goodput=True)
+    reqs = [Request(f"r{i}", p, 40, GREEDY, stop_at_eos=False) for i, p in enumerate(PROMPTS[1:3])]
+    drafted_share = {}
+    for drafter in (_SlowRetrieval, _CountingRetrieval):
+        drafter.proposals = 0
+        engine = BatchEngine(target, lambda d=drafter: d(RetrievalConfig(budget=8, cost_aware=False), VOCAB), cfg,
+                             cost_model=fast)
+        results, updates = _drive(engine, reqs, [0, 0])
+        for i, p in enumerate(PROMPTS[1:3]):
+            assert results[f"r{i}"].tokens == _solo_vanilla(target, p, 40)
+        steps = [u.step for u in updates["r0"] if u.step is not None]
+        drafted = [i for i, s in enumerate(steps) if s.stats["goodput_drafting_skipped"] == 0.0]
+        drafted_share[drafter.__name__] = len(drafted) / len(steps)
+        if drafter is _SlowRetrieval:
+            probes = [i for i, s in enumerate(steps) if s.stats["goodput_drafting_probe"] == 1.0]
+            assert drafted[0] == 0 and probes == drafted[1:], (drafted, probes)
+            gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+            assert gaps == sorted(gaps) and gaps[-1] > gaps[0], gaps  # the backoff doubles
+    assert drafted_share["_SlowRetrieval"] < 0.3 < 0.7 < drafted_share["_CountingRetrieval"], drafted_share
 
 
 def test_goodput_opens_ranks_by_doubling_and_new_sequences_start_from_the_pool():
