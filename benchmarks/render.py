@@ -19,6 +19,14 @@ OUT = ROOT / "BENCHMARKS.md"
 
 # file stem -> (title, commentary file or None). Commentary lives in benchmarks/notes/<stem>.md,
 # written by people; the tables come from the JSON only.
+def _plots_of(stem: str) -> list[Path]:
+    """The PNGs ``<stem>_<plot>.png`` of one result, not those of a longer result stem that starts
+    with it (``concurrency_specbench_fp32`` must not show ``concurrency_specbench_fp32_x``'s plots)."""
+    longer = [p.stem for p in RESULTS.glob(f"{stem}_*.json")]
+    return [png for png in sorted(RESULTS.glob(f"{stem}_*.png"))
+            if not any(png.stem.startswith(f"{other}_") for other in longer)]
+
+
 SECTIONS: dict[str, str] = {
     "foundation_specbench_bf16": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (bf16)",
     "foundation_specbench_fp32": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (fp32)",
@@ -525,7 +533,7 @@ def main() -> int:
                 out += render_drafter_details(res)
             if res.get("concurrency"):
                 out += render_concurrency(res)
-        for png in sorted(RESULTS.glob(f"{path.stem}*.png")):
+        for png in _plots_of(path.stem):
             out += ["", f"![{png.stem}]({png.relative_to(ROOT)})"]
         note = notes_dir / f"{path.stem}.md"
         if note.exists():
