@@ -320,10 +320,11 @@ class AdaptationController:
         overspend). Their seconds count as refused exploration."""
         t0 = self.clock()
         result = self.updater.train(self.weights, train, PROBE_STEPS)
-        self._busy.append((t0, self.clock()))
+        t1 = self.clock()
+        self._busy.append((t0, t1))
         self.cost.observe_opt_steps(result.step_seconds)
-        self.refused_s += self.clock() - t0
-        self.probe_cost_s += (self.clock() - t0) * self.cost.contention
+        self.refused_s += t1 - t0
+        self.probe_cost_s += (t1 - t0) * self.cost.contention
 
     def _within_explore_budget(self, arm: int) -> bool:
         """Whether a candidate of ``arm`` may be trained: refused candidates so far plus this one's
@@ -376,10 +377,11 @@ class AdaptationController:
         tau_prev = tau_of(replay_units(self._replica, held, chunk))
         self._replica.load_state_dict(self.weights)
         tau_new = tau_of(replay_units(self._replica, held, chunk))
-        self._busy.append((r0, self.clock()))
+        r1 = self.clock()
+        self._busy.append((r0, r1))
         assert self._pending is not None
         arm, cost, est, positions = self._pending
-        guard_s = self.clock() - r0
+        guard_s = r1 - r0
         self.guard_replay_cost_s += guard_s * cost.contention
         self._pending = (arm, dataclasses.replace(cost, replay_s=cost.replay_s + guard_s), est, positions)
         return self.guard.judge(tau_prev, tau_new), tau_prev, tau_new

@@ -17,8 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "BENCHMARKS.md"
 
-# file stem -> (title, commentary file or None). Commentary lives in benchmarks/notes/<stem>.md,
-# written by people; the tables come from the JSON only.
 def _plots_of(stem: str) -> list[Path]:
     """The PNGs ``<stem>_<plot>.png`` of one result, not those of a longer result stem that starts
     with it (``concurrency_specbench_fp32`` must not show ``concurrency_specbench_fp32_x``'s plots)."""
@@ -27,6 +25,8 @@ def _plots_of(stem: str) -> list[Path]:
             if not any(png.stem.startswith(f"{other}_") for other in longer)]
 
 
+# file stem -> (title, commentary file or None). Commentary lives in benchmarks/notes/<stem>.md,
+# written by people; the tables come from the JSON only.
 SECTIONS: dict[str, str] = {
     "foundation_specbench_bf16": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (bf16)",
     "foundation_specbench_fp32": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (fp32)",

@@ -180,4 +180,3 @@ class SlotBatchCache(Cache):
         absent = [DummyLayer() for _ in range(pool.first_layer)]  # another shard's layers
         super().__init__(layers=[*absent, *(_SlotLayer(pool, i, plan) for i in range(pool.num_layers))])
         self.plan = plan
-
