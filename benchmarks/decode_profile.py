@@ -2,12 +2,15 @@
 self-times per step grouped into the linear layers, attention, the rest of the operators, and
 what no operator accounts for (Python and the Hugging Face forward's glue).
 
-    .venv/bin/python benchmarks/decode_profile.py --dtype float32 --json benchmarks/results/decode_profile_fp32.json
+    .venv/bin/python benchmarks/decode_profile.py --dtype float32 --baseline --json benchmarks/results/decode_profile_fp32.json
 
-Loads the target as every command does (``assets.load_model``: oneDNN-packed linear layers),
+Loads the target as every command does (``assets.load_model``: grouped projections, fused RMS
+norms, oneDNN-packed linear layers),
 prefills one Spec-Bench prompt, then times ``--steps`` greedy ``TargetModel.decode`` steps without
 the profiler (the wall figure) and again under ``torch.profiler`` (the breakdown; the profiler
-adds its own overhead, reported as the difference of the two walls).
+adds its own overhead, reported as the difference of the two walls). ``--baseline`` also loads
+the target without the grouped projections and fused norms and times it interleaved with the
+first, run by run, on the same prompt (wall ratio and whether the greedy tokens are identical).
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported)")
     ap.add_argument("--top", type=int, default=12, help="operators listed by self time")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also time the target without grouped projections and fused norms, side by side")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -51,22 +57,39 @@ def main(argv: list[str] | None = None) -> int:
     target = _load_target(args.model, args.dtype)
     prompt = assets.encode_turn(target.tokenizer, [], assets.load_questions("spec_bench", 1)[0].turns[0])
 
-    def decode(state, logits, steps: int) -> float:
+    baseline = None
+    if args.baseline:
+        from speculation.target import TargetModel
+
+        baseline = TargetModel(assets.load_model(args.model, target.dtype, fuse=False), target.tokenizer)
+
+    def decode(state, logits, steps: int, model=target) -> tuple[float, list[int]]:
+        tokens = []
         t0 = time.perf_counter()
         for _ in range(steps):
-            logits = target.decode(state, int(logits.argmax()))
-        return (time.perf_counter() - t0) / steps
+            tokens.append(int(logits.argmax()))
+            logits = model.decode(state, tokens[-1])
+        return (time.perf_counter() - t0) / steps, tokens
 
-    def run(steps: int) -> float:
-        state, logits, _ = target.prefill(prompt)
-        return decode(state, logits, steps)
+    def run(steps: int, model=target) -> tuple[float, list[int]]:
+        state, logits, _ = model.prefill(prompt)
+        return decode(state, logits, steps, model)
 
     run(8)  # warm-up: oneDNN primitives, allocator
-    walls = [run(args.steps) for _ in range(3)]
-    wall = sorted(walls)[1]
+    if baseline is not None:
+        run(8, baseline)
+    walls, base_walls, same = [], [], True
+    for _ in range(args.repeats):  # interleaved, so both see the same host
+        wall_i, tokens = run(args.steps)
+        walls.append(wall_i)
+        if baseline is not None:
+            base_i, base_tokens = run(args.steps, baseline)
+            base_walls.append(base_i)
+            same = same and base_tokens == tokens
+    wall = sorted(walls)[len(walls) // 2]
     state, logits, _ = target.prefill(prompt)  # outside the profile: only decode steps are profiled
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        profiled_wall = decode(state, logits, args.steps)
+        profiled_wall, _ = decode(state, logits, args.steps)
     events = prof.key_averages()
     per_op = sorted(((e.key, e.self_cpu_time_total / 1e3 / args.steps, e.count / args.steps) for e in events),
                     key=lambda x: -x[1])
@@ -84,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         "unaccounted_ms_per_step": profiled_wall * 1e3 - op_total,
         "top_operators": [{"op": n, "self_ms_per_step": ms, "calls_per_step": c} for n, ms, c in per_op[: args.top]],
     }
+    if baseline is not None:
+        base = sorted(base_walls)[len(base_walls) // 2]
+        paired = sorted(b / w for b, w in zip(base_walls, walls))  # each run against its neighbour
+        out["baseline"] = {"what": "transformers' separate projections and norms, linear layers packed",
+                           "wall_ms_per_step": base * 1e3, "walls_ms": [w * 1e3 for w in base_walls],
+                           "speedup": base / wall, "paired_speedup_median": paired[len(paired) // 2],
+                           "pairs_faster": sum(r > 1.0 for r in paired), "pairs": len(paired),
+                           "identical_tokens": same}
     emit_json(out, args.json)
     return 0
 

@@ -388,8 +388,15 @@ def render_decode_profile(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['steps']} greedy decode steps after a "
              f"{res['prompt_tokens']}-token prompt. Wall per step without the profiler: "
              f"**{_f(res['wall_ms_per_step'], 1)} ms** (median of 3 runs); under the profiler "
-             f"{_f(res['profiled_wall_ms_per_step'], 1)} ms.", "",
-             "| part of the profiled step | ms per step | share |", "|---|---|---|"]
+             f"{_f(res['profiled_wall_ms_per_step'], 1)} ms.", ""]
+    if res.get("baseline"):
+        b = res["baseline"]
+        lines += [f"Side by side, run by run: without grouped projections and fused norms (separate "
+                  f"projections, linear layers packed) {_f(b['wall_ms_per_step'], 1)} ms per step (median). "
+                  f"Grouped and fused, each run against its neighbour: **{_f(b.get('paired_speedup_median'), 3)}×** "
+                  f"as fast (median), faster in {b.get('pairs_faster', '–')} of {b.get('pairs', '–')} pairs; "
+                  f"identical tokens: {_f(b['identical_tokens'])}.", ""]
+    lines += ["| part of the profiled step | ms per step | share |", "|---|---|---|"]
     wall = res["profiled_wall_ms_per_step"]
     for name in ("linear", "attention", "other operators"):
         lines.append(f"| {name} (operator self time) | {_f(g.get(name, 0.0), 2)} | {_f(100 * g.get(name, 0.0) / wall, 0, '%')} |")

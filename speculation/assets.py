@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
+from speculation.fused_layers import fuse_decoder
 from speculation.output_head import onednn_available, pack_linears, use_transposed_head
 
 if TYPE_CHECKING:  # pragma: no cover - imported lazily at run time (slow import)
@@ -636,18 +637,22 @@ def model_num_layers(name: str | ModelSource) -> int:
 
 
 def load_model(
-    name: str | ModelSource, dtype: torch.dtype = torch.float32, layers: range | None = None
+    name: str | ModelSource, dtype: torch.dtype = torch.float32, layers: range | None = None, fuse: bool = True
 ) -> "PreTrainedModel":
     """Load a causal LM in eval mode with SDPA attention (see :func:`resolve_model` for ``name``),
-    its linear layers packed for oneDNN where torch has it
-    (:func:`~speculation.output_head.pack_linears`: decode steps and verify passes run on the
-    CPU's fast GEMM kernels), else its output head stored transposed
+    its sibling projections grouped and RMS norms fused
+    (:func:`~speculation.fused_layers.fuse_decoder`) and its other linear layers packed for oneDNN
+    where torch has it (:func:`~speculation.output_head.pack_linears`: decode steps and verify
+    passes run on the CPU's fast GEMM kernels), else its output head stored transposed
     (:func:`~speculation.output_head.use_transposed_head`).
 
     ``layers``: keep only these decoder layers (a pipeline shard's range); the others are
     replaced by empty modules, so kept layers keep their indices and the rest of the weights are
     freed once loaded (peak memory is the full model's). Such a model serves its modules one by
     one; its own ``forward`` is no longer usable.
+
+    ``fuse=False`` keeps transformers' separate projections and norms (only packed), the baseline
+    of ``benchmarks/decode_profile.py --baseline``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -667,6 +672,8 @@ def load_model(
                 decoder[i] = torch.nn.Module()
     owns_head = layers is None or layers.stop == len(model.model.layers)  # the shard (or model) that serves it
     if onednn_available():
+        if fuse:
+            fuse_decoder(model)
         pack_linears(model, skip=None if owns_head else model.get_output_embeddings())
     elif owns_head:
         use_transposed_head(model)
