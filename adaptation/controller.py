@@ -46,7 +46,7 @@ from adaptation.gain import (
     tau_of,
 )
 from adaptation.online import OnlineConfig, OnlineUpdater, StateDict, TrainableDrafter
-from adaptation.rollback import GuardConfig, GuardVerdict, SwapGuard
+from adaptation.rollback import GuardConfig, GuardVerdict, SwapGuard, window_sequences
 from speculation.config import ConfigError
 
 PROBE_STEPS = 2
@@ -72,6 +72,8 @@ class Outcome(str, enum.Enum):
     APPLIED = "applied"
     KEPT = "kept"  # guard window closed: update kept
     ROLLED_BACK = "rolled_back"
+    AUDITED = "audited"  # the live (updated) weights replayed against the start weights: kept
+    REVERTED = "reverted"  # ... and found worse: the start weights republished
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,15 @@ class ControllerConfig:
             candidates the gate refused may have cost, training and held-out replay together;
             a round whose candidate would exceed it is skipped. Bounds what cost_aware can lose
             to static by exploring. None = unbounded. Range [0, 1].
+        audit_window_steps: cost_aware only; None = off. The swap guard judges an update on the
+            text right after it; the audit catches one that later text (a new domain) turns
+            against. While the live weights are not the ones the controller started with, live
+            tau is read over consecutive windows of this many verify steps (free: the records
+            carry it). When a window's tau falls below the previous window's by the guard's
+            margin, the start and the live weights are replayed on that window's text, and the
+            start weights are republished if ``tau_live < tau_start * (1 - guard.margin)``. A drop
+            that the start weights share is the text getting harder: the update stays. Its replays
+            are priced like the guard's. >= 2.
         buffer, online, replay, cost, bandit, guard: the parts' configs.
     """
 
@@ -103,6 +114,7 @@ class ControllerConfig:
     min_train_sequences: int = 1
     min_train_positions: int = 0
     explore_budget: float | None = None
+    audit_window_steps: int | None = None
     buffer: BufferConfig = field(default_factory=BufferConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -124,6 +136,9 @@ class ControllerConfig:
             raise ConfigError(f"adapt.explore_budget must be a number in [0, 1] or null, got {self.explore_budget!r}")
         if not self.horizon_s > 0:
             raise ConfigError(f"adapt.horizon_s must be > 0, got {self.horizon_s}")
+        w = self.audit_window_steps
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 2):
+            raise ConfigError(f"adapt.audit_window_steps must be an integer >= 2 or null, got {w!r}")
 
 
 @dataclass(frozen=True)
@@ -204,6 +219,7 @@ class AdaptationController:
         self.guard = SwapGuard(self.config.guard)
         self._replica = replica(drafter)
         self.weights: StateDict = weights if weights is not None else drafter.state_dict()
+        self.start_weights: StateDict = self.weights  # what an audit reverts to
         self.version = 0
         self.decisions: list[Decision] = []
         self.on_decision: Callable[[Decision], None] | None = None
@@ -216,6 +232,9 @@ class AdaptationController:
         self.refused_s = 0.0  # training + replay seconds of candidates the gate refused
         self.guard_replay_cost_s = 0.0  # serving seconds the paired guard's replays cost
         self.probe_cost_s = 0.0  # serving seconds the step-cost probe cost
+        self.audit_cost_s = 0.0  # serving seconds the audits' replays cost
+        self._audit_window: list[FeedbackRecord] = []
+        self._audit_ref = math.nan  # live tau of the previous audit window
         self._lock = threading.RLock()
         self.horizon_tokens_override: float | None = None
 
@@ -235,6 +254,7 @@ class AdaptationController:
                     self._close_watch(*self._paired_verdict())
                 elif verdict in (GuardVerdict.KEEP, GuardVerdict.ROLLBACK):
                     self._close_watch(verdict)
+                self._watch_for_audit(r)
             self._steps_since += len(records)
             if self._steps_since >= self.config.decide_every_steps and not self.guard.watching:
                 self._steps_since = 0
@@ -386,6 +406,45 @@ class AdaptationController:
         self._pending = (arm, dataclasses.replace(cost, replay_s=cost.replay_s + guard_s), est, positions)
         return self.guard.judge(tau_prev, tau_new), tau_prev, tau_new
 
+    def _watch_for_audit(self, record: FeedbackRecord) -> None:
+        """Collect live steps into audit windows; audit when a window's tau drops (config docstring)."""
+        size = self.config.audit_window_steps
+        if (size is None or self.config.policy is not Policy.COST_AWARE or self.guard.watching
+                or self.weights is self.start_weights):
+            self._audit_window, self._audit_ref = [], math.nan
+            return
+        self._audit_window.append(record)
+        if len(self._audit_window) < size:
+            return
+        window, self._audit_window = self._audit_window, []
+        tau = sum(r.tokens_gained for r in window) / len(window)
+        dropped = tau < self._audit_ref * (1 - self.config.guard.margin)  # False while the reference is nan
+        self._audit_ref = tau
+        if dropped:
+            self.audit(window_sequences(window))
+
+    def audit(self, held: list[FeedbackSequence]) -> Decision | None:
+        """Replay the start and the live weights on ``held``; republish the start weights if the
+        live ones fall below them by the guard's margin. None when nothing is replayable."""
+        with self._lock:
+            if not held:
+                return None
+            r0 = self.clock()
+            chunk = self.config.replay.chunk
+            self._replica.load_state_dict(self.start_weights)
+            tau_start = tau_of(replay_units(self._replica, held, chunk))
+            self._replica.load_state_dict(self.weights)
+            tau_live = tau_of(replay_units(self._replica, held, chunk))
+            r1 = self.clock()
+            self._busy.append((r0, r1))
+            cost = dataclasses.replace(self.cost.cost(SKIP), replay_s=r1 - r0)
+            self.audit_cost_s += cost.replay_s * cost.contention
+            verdict = self.guard.judge(tau_start, tau_live)
+            sync_s = self._publish(self.start_weights) if verdict is GuardVerdict.ROLLBACK else 0.0
+            outcome = Outcome.REVERTED if verdict is GuardVerdict.ROLLBACK else Outcome.AUDITED
+            return self._log(Decision(self._rounds, self.config.policy, SKIP, outcome, cost, sync_s=sync_s,
+                                      tau_replay_prev=tau_start, tau_replay_new=tau_live))
+
     def _close_watch(self, verdict: GuardVerdict, tau_replay_prev: float = math.nan,
                      tau_replay_new: float = math.nan) -> None:
         assert self._pending is not None
@@ -422,7 +481,9 @@ class AdaptationController:
         n = {o: sum(d.outcome is o for d in self.decisions) for o in Outcome}
         out = {"rounds": float(self._rounds), "updates": float(n[Outcome.APPLIED]),
                "rollbacks": float(n[Outcome.ROLLED_BACK]), "gated": float(n[Outcome.GATED]),
-               "cost_s": sum(d.spent_s for d in self.decisions) + self.guard_replay_cost_s + self.probe_cost_s,
+               "audits": float(n[Outcome.AUDITED] + n[Outcome.REVERTED]), "reverts": float(n[Outcome.REVERTED]),
+               "cost_s": (sum(d.spent_s for d in self.decisions) + self.guard_replay_cost_s + self.probe_cost_s
+                          + self.audit_cost_s),
                "weights_version": float(self.version), "refused_s": self.refused_s}
         if self.config.policy is Policy.COST_AWARE:
             out.update(self.bandit.regret())

@@ -112,12 +112,8 @@ class SwapGuard:
         return self.judge(self.tau_pre, self.tau_post)
 
     def window_sequences(self) -> list[FeedbackSequence]:
-        """The window's records joined per request (requests with >= 2 recorded steps)."""
-        groups: dict[object, list[FeedbackRecord]] = {}
-        for r in self._records:
-            groups.setdefault(r.request_id, []).append(r)
-        seqs = [FeedbackSequence.join(g) for g in groups.values() if len(g) >= 2]
-        return [s for s in seqs if s.length >= 2]
+        """The window's records joined per request (:func:`window_sequences`)."""
+        return window_sequences(self._records)
 
     def judge(self, tau_before: float, tau_after: float) -> GuardVerdict:
         """ROLLBACK if ``tau_after < tau_before * (1 - margin)``, else KEEP."""
@@ -128,3 +124,12 @@ class SwapGuard:
         """Stop watching; returns the kept previous weights (what a rollback republishes)."""
         prev, self.previous = self.previous, None
         return prev
+
+
+def window_sequences(records: list[FeedbackRecord]) -> list[FeedbackSequence]:
+    """Live records joined per request, for a replay (requests with >= 2 recorded steps)."""
+    groups: dict[object, list[FeedbackRecord]] = {}
+    for r in records:
+        groups.setdefault(r.request_id, []).append(r)
+    seqs = [FeedbackSequence.join(g) for g in groups.values() if len(g) >= 2]
+    return [s for s in seqs if s.length >= 2]

@@ -311,13 +311,16 @@ def render_adapt(res: dict) -> list[str]:
                 "budgets cheapest first, skipping dearer ones after a harmful estimate")
              + (f"; no candidate before {c['min_train_positions']} train positions, an arm re-tried once the "
                 f"train part grows {c['retry_growth']}-fold" if "retry_growth" in c else
-                "; no data floor, no re-tries (before both existed)") + ".", "",
+                "; no data floor, no re-tries (before both existed)")
+             + (f"; updated weights audited against the start weights when live tau drops between "
+                f"{c['audit_window']}-step windows" if c.get("audit_window") else "") + ".", "",
              "| policy | tok/s (update cost included) | vs static | tau | updates | rollbacks | gated | update cost s "
              "| regret s | lossless |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, p in pol.items():
         ratio = p["tokens_per_s"] / static if static else None
+        back = f"{p['rollbacks']}" + (f" + {p['reverts']} reverted by audit" if p.get("reverts") else "")
         lines.append(f"| {name} | {_f(p['tokens_per_s'], 2)} | {_f(ratio, 3, '×')} | {_f(p['tau'], 3)} | {p['updates']} | "
-                     f"{p['rollbacks']} | {p['gated']} | {_f(p['cost_s'], 1)} | {_f(p.get('regret'), 1)} | "
+                     f"{back} | {p['gated']} | {_f(p['cost_s'], 1)} | {_f(p.get('regret'), 1)} | "
                      f"{_f(p['lossless'])} |")
     phases = res["phases"]
     lines += ["", "Per phase, tok/s (tau):", "", "| policy | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
@@ -342,6 +345,11 @@ def render_adapt(res: dict) -> list[str]:
         for d in rounds:
             g = d.get("gain") or {}
             total = _cost_total_s(d["cost"]) if d.get("cost") else None
+            if not g and d.get("outcome") in ("audited", "reverted"):  # start vs live weights, replayed
+                total = (d.get("cost") or {}).get("replay_s")
+                lines.append(f"| {d['round']} | audit | {d['outcome']} | {_f(d.get('tau_replay_prev'), 3)} (start) | "
+                             f"{_f(d.get('tau_replay_new'), 3)} (live) | – | {_f(total, 2)} (replay) | – |")
+                continue
             lines.append(f"| {d['round']} | {d['arm']} | {d['outcome']} | {_f(g.get('tau_old'), 3)} | "
                          f"{_f(g.get('tau_new'), 3)} [{_f(g.get('tau_new_lo'), 3)}, {_f(g.get('tau_new_hi'), 3)}] | "
                          f"{_f(g.get('gain_s'), 2)} [{_f(g.get('gain_lo_s'), 2)}, {_f(g.get('gain_hi_s'), 2)}] | "

@@ -100,6 +100,11 @@ class LearnerServeConfig:
     explore_budget: float | None = None
     """Share of serving wall time that candidates the gate refused may cost (training + replay);
     beyond it no new candidate is trained. null = unbounded. Range [0, 1]."""
+    audit_window_steps: int | None = None
+    """cost_aware: verify steps per audit window. When live tau drops from one window to the next
+    by ``guard_margin`` while updated weights serve, the start and the live weights are replayed
+    on that window and the start weights come back if the update is the cause. null = off.
+    Range [2, 10000000]."""
     retry_growth: float = 2.0
     """The bandit re-tries an update budget once the train part holds this many times the positions
     of its latest estimate (``.inf`` = never). Range (1, inf]."""
@@ -160,6 +165,9 @@ class LearnerServeConfig:
                                                 or not 0 <= self.explore_budget <= 1):
             raise ConfigError(f"serve.learner.explore_budget must be a number in [0, 1] or null, "
                               f"got {self.explore_budget!r}")
+        a = self.audit_window_steps
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or not 2 <= a <= 10_000_000):
+            raise ConfigError(f"serve.learner.audit_window_steps must be an integer in [2, 10000000] or null, got {a!r}")
         h = self.recency_half_life
         if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0):
             raise ConfigError(f"serve.learner.recency_half_life must be a number > 0 or null, got {h!r}")

@@ -73,7 +73,7 @@ def controller_config(cfg: LearnerServeConfig) -> ControllerConfig:
         policy=Policy(cfg.policy), decide_every_steps=cfg.decide_every_steps, horizon_s=cfg.horizon_s,
         fixed_budget=cfg.fixed_budget, periodic_rounds=cfg.periodic_rounds, periodic_budget=cfg.periodic_budget,
         min_train_sequences=cfg.min_train_sequences, min_train_positions=cfg.min_train_positions,
-        explore_budget=cfg.explore_budget,
+        explore_budget=cfg.explore_budget, audit_window_steps=cfg.audit_window_steps,
         bandit=BanditConfig(budgets=tuple(cfg.budgets), retry_growth=float(cfg.retry_growth)),
         guard=GuardConfig(window_steps=cfg.guard_window, margin=float(cfg.guard_margin), mode=cfg.guard_mode),
         online=OnlineConfig(lr=cfg.lr, accepted_keep=float(cfg.accepted_keep), recency_half_life=cfg.recency_half_life),
@@ -87,7 +87,7 @@ class LearnerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.decisions = Counter("graftblock_learner_decisions", "Learner decisions by outcome (skipped, gated, "
-                                 "applied, kept, rolled_back)", ["outcome"], registry=r)
+                                 "applied, kept, rolled_back, audited, reverted)", ["outcome"], registry=r)
         self.swaps = Counter("graftblock_learner_swaps", "Published weights swapped into this replica's drafters",
                              registry=r)
         self.rollbacks = Counter("graftblock_learner_rollbacks", "Updates the learner's swap guard rolled back",

@@ -274,6 +274,10 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--recency-half-life", type=float, default=None,
                    help="requests back at which a buffered request's training-draw weight halves (default: uniform)")
+    p.add_argument("--audit-window", type=int, default=None,
+                   help="cost_aware: verify steps per audit window; when live tau drops from one window to the "
+                        "next by the guard margin, the start and the updated weights are replayed on that window "
+                        "and the start weights come back if the update is the cause (default: off)")
     p.add_argument("--accepted-keep", type=float, default=1.0,
                    help="share of accepted (non-mistake) positions in the update loss (mistakes always in)")
     p.add_argument("--unroll-steps", type=int, default=0, help="TTT steps / blocks per batch (0 = family default)")
@@ -385,6 +389,8 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[
         raise ConfigError(f"--recency-half-life must be > 0, got {args.recency_half_life}")
     if args.explore_budget is not None and not 0 <= args.explore_budget <= 1:
         raise ConfigError(f"--explore-budget must be in [0, 1], got {args.explore_budget}")
+    if args.audit_window is not None and args.audit_window < 2:
+        raise ConfigError(f"--audit-window must be >= 2, got {args.audit_window}")
     if args.stream:
         stream = StreamSpec.from_yaml(args.stream)
         if args.requests_per_phase is not None:
@@ -431,6 +437,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
         decide_every_steps=args.decide_every_steps, horizon_s=args.horizon_s, fixed_budget=args.fixed_budget,
         periodic_rounds=args.periodic_rounds, periodic_budget=args.periodic_budget,
         min_train_positions=args.min_train_positions, explore_budget=args.explore_budget,
+        audit_window_steps=args.audit_window,
         bandit=BanditConfig(budgets=budgets, explore_after_harm=args.explore_after_harm,
                             retry_growth=args.retry_growth),
         guard=GuardConfig(window_steps=args.guard_window, margin=args.guard_margin, mode=args.guard_mode),
@@ -588,7 +595,7 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
         s = run.controller.summary()
         policies[run.name] = {
             **common, "updates": int(s["updates"]), "rollbacks": int(s["rollbacks"]), "gated": int(s["gated"]),
-            "cost_s": s["cost_s"], "regret": s.get("regret_s"), "best_fixed_arm": s.get("best_fixed_arm"),
+            "audits": int(s["audits"]), "reverts": int(s["reverts"]), "cost_s": s["cost_s"], "regret": s.get("regret_s"), "best_fixed_arm": s.get("best_fixed_arm"),
             "decisions": _jsonable(run.controller.decisions),
         }
     from speculation.bench.runner import environment
@@ -605,7 +612,8 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
                                      "explore_after_harm": args.explore_after_harm,
                                      "retry_growth": args.retry_growth,
                                      "min_train_positions": args.min_train_positions, "heldout": args.heldout,
-                                     "explore_budget": args.explore_budget},
+                                     "explore_budget": args.explore_budget,
+                                     "audit_window": args.audit_window},
                       "model": args.model, "dtype": args.dtype, "drafter": args.drafter, "stream": stream.name,
                       "phases": phases, "requests_per_phase": {p.name: p.requests for p in stream.phases},
                       "max_new_tokens": args.max_new_tokens, "lossless_reference": runs[0].name,

@@ -399,6 +399,60 @@ def test_paired_guard_keeps_a_harmless_swap_that_meets_harder_text(mode, expect)
         assert math.isnan(closing.tau_replay_prev) and closing.realised_gain_s < 0
 
 
+def test_audit_reverts_a_kept_update_when_live_tau_drops_because_of_it_and_not_when_the_text_got_harder():
+    """After a kept update, live tau is read over consecutive windows; a drop triggers a replay of
+    the start and the live weights on the window's text. Harder text (records served by an
+    untrained head) drops live tau for both weights: the update stays. An update gone bad (the
+    draft LM head's rows permuted) drops it for the live weights only: the start weights come
+    back, and decoding stays lossless across that swap."""
+    target = _target()
+    live = _drafter("eagle3", target)
+    start = _candidate("eagle3").state
+    live.load_state_dict(start)
+    published = []
+
+    def publish(state):
+        published.append(state)
+        live.load_state_dict(state)
+
+    ctl = AdaptationController(live, publish, ControllerConfig(
+        policy=Policy.COST_AWARE, decide_every_steps=10**9, bandit=BanditConfig(budgets=(0, 16)),
+        replay=ReplayConfig(chunk=16, bootstrap=200), buffer=BufferConfig(heldout_sequences=4),
+        guard=GuardConfig(window_steps=12, margin=0.1), audit_window_steps=12), weights=start)
+    sink = FeedbackSink(ctl.add)
+    _serve(target, live, _prompts(4), sink, first_id=100)
+    assert not ctl.decisions  # the live weights are the start weights: nothing to audit
+    kept = dict(start)  # a kept update (live, no longer watched); here the same values
+    publish(kept)
+    ctl.weights = kept
+    _serve(target, live, _prompts(4), sink, first_id=200)
+    early = len(ctl.decisions)
+    assert all(d.outcome is Outcome.AUDITED for d in ctl.decisions)  # noise may trigger one: kept
+    ctl.add(_feedback("eagle3")[0][:48])  # harder text: both weights draft it worse
+    harder = ctl.decisions[early:]
+    assert harder and all(d.outcome is Outcome.AUDITED for d in harder)
+    assert all(d.tau_replay_new == d.tau_replay_prev and d.cost.replay_s > 0 for d in harder)
+    assert ctl.weights is kept and published[-1] is kept
+    # the update goes bad on the text that follows
+    bad = dict(start)
+    perm = torch.randperm(bad["lm_head.weight"].shape[0], generator=torch.Generator().manual_seed(0))
+    bad["lm_head.weight"] = start["lm_head.weight"][perm]
+    publish(bad)
+    ctl.weights = bad
+    _serve(target, live, _prompts(4), sink, first_id=300)  # the first window is served well above
+    reverted = [d for d in ctl.decisions if d.outcome is Outcome.REVERTED]
+    assert len(reverted) == 1 and reverted[0].tau_replay_new < reverted[0].tau_replay_prev * 0.9
+    assert published[-1] is start and ctl.weights is start
+    summary = ctl.summary()
+    assert summary["reverts"] == 1 and summary["audits"] == len(ctl.decisions)
+    assert summary["cost_s"] >= ctl.audit_cost_s > 0
+    outs = _serve(target, live, _prompts(4, seed=1), sink, first_id=400)
+    assert len(ctl.decisions) == summary["audits"]  # back at the start weights: no more audits
+    assert outs == [generate_vanilla(target, p, GREEDY).tokens for p in _prompts(4, seed=1)]
+    with pytest.raises(ConfigError, match="adapt.audit_window_steps must be an integer >= 2 or null"):
+        ControllerConfig(audit_window_steps=1)
+
+
 def test_recency_half_life_draws_training_windows_mostly_from_the_newest_requests():
     cfg = OnlineConfig(recency_half_life=2.0)
     w = cfg.draw_weights(5)  # oldest first

@@ -172,6 +172,7 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
                         ({"guard_mode": "both"}, "serve.learner.guard_mode must be one of ['paired', 'live']"),
                         ({"guard_margin": 1.0}, "serve.learner.guard_margin must be a number in [0, 1)"),
                         ({"recency_half_life": 0}, "serve.learner.recency_half_life must be a number > 0 or null"),
+                        ({"audit_window_steps": 1}, "serve.learner.audit_window_steps must be an integer in [2, 10000000]"),
                         ({"min_train_positions": -5}, "serve.learner.min_train_positions must be an integer in [0, "),
                         ({"bogus": 1}, "serve.learner: unknown key(s) ['bogus']")]:
         with pytest.raises(ConfigError) as e:
@@ -195,6 +196,8 @@ def test_learner_config_errors_name_the_field_and_the_local_default():
     online = controller_config(serve_config_from_dict({"learner": {"recency_half_life": 8}}).learner).online
     assert online.recency_half_life == 8 and controller_config(serve_config_from_dict({}).learner).online.recency_half_life is None
     assert controller_config(serve_config_from_dict({}).learner).guard.mode is GuardMode.PAIRED
+    assert controller_config(serve_config_from_dict({"learner": {"audit_window_steps": 128}}).learner).audit_window_steps == 128
+    assert controller_config(serve_config_from_dict({}).learner).audit_window_steps is None
 
 
 def test_a_method_that_is_not_learnable_gets_a_noop_learner_and_says_so(caplog):
