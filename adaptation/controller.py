@@ -15,7 +15,9 @@ wraps it in a Ray actor). It consumes feedback records (:mod:`adaptation.feedbac
   closes (or a rollback republishes the previous weights). In the guard's paired mode the
   realised gain is priced on the window's own traffic, previous vs new weights replayed on the
   same text: ``G_real = N * t_step * (1/tau_prev - 1/tau_new)``; in live mode on the live windows
-  before and after the swap.
+  before and after the swap. With ``audit_window_steps`` a kept update is audited when live tau
+  drops between consecutive windows: the start and the live weights are replayed on the window
+  that dropped, and the start weights are republished if the update is the cause.
 
 Publishing is a callable (``publish(state)``): in process it loads the drafter's weights, on Ray
 it puts them in the object store once and calls ``swap_weights`` on every drafter worker. Its

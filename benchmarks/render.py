@@ -41,6 +41,7 @@ SECTIONS: dict[str, str] = {
     "adapt_domain_shift_eagle3_fp32_paired_guard": "Online adaptation: each policy on its own serving clock, replays priced, paired swap guard; exploration budget 10%, 20 requests per phase, EAGLE-3 (fp32)",
     "adapt_domain_shift_eagle3_fp32_paired_guard_budget20": "Online adaptation: the same with an exploration budget of 20% (fp32)",
     "adapt_domain_shift_eagle3_fp32_recency": "Online adaptation: 20% exploration budget, recency-weighted training (half-life 8 requests), step-cost probe; the first update kept by the paired guard (fp32)",
+    "adapt_domain_shift_eagle3_fp32_audit": "Online adaptation: the recency run's settings with audits of kept updates, on a slower host: nothing applied, so nothing audited (fp32)",
     "online_knobs_eagle3_code_fp32": "Online updates: learning rate, share of accepted positions, optimizer steps, on HumanEval feedback (EAGLE-3, fp32)",
     "online_knobs_eagle3_chat_fp32": "Online updates: how much feedback a candidate needs, on chat feedback (EAGLE-3, fp32)",
     "sweep_graft_heldout_fp32": "Graft over SpecBlock: Optuna sweep on 4 Spec-Bench categories, best configuration on the 9 held out (fp32)",
