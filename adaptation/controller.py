@@ -38,6 +38,7 @@ from adaptation.bandit import SKIP, BanditConfig, CostAwareBandit, gate
 from adaptation.cost_model import CostConfig, CostEstimate, UpdateCostModel
 from adaptation.feedback import BufferConfig, FeedbackRecord, FeedbackSequence, ReplayBuffer
 from adaptation.gain import (
+    UnitReplay,
     GainEstimate,
     ReplayConfig,
     TrafficRate,
@@ -237,6 +238,11 @@ class AdaptationController:
         self.audit_cost_s = 0.0  # serving seconds the audits' replays cost
         self._audit_window: list[FeedbackRecord] = []
         self._audit_ref = math.nan  # live tau of the previous audit window
+        # The live weights' replay of a held-out request, kept until the weights change: rounds
+        # overlap in held-out requests, so the old side is replayed once per request and version.
+        self._live_replays: dict[tuple, list[UnitReplay]] = {}
+        self._live_replays_of: StateDict | None = None  # the weights they were replayed with
+        self.live_replay_hits = 0
         self._lock = threading.RLock()
         self.horizon_tokens_override: float | None = None
 
@@ -371,13 +377,29 @@ class AdaptationController:
         """Replay the held-out feedback with the live and the candidate weights (:mod:`adaptation.gain`)."""
         held = self.buffer.heldout_sequences()
         chunk = self.config.replay.chunk
-        self._replica.load_state_dict(self.weights)
-        old = replay_units(self._replica, held, chunk)
+        old = self._live_replay(held)
         self._replica.load_state_dict(candidate)
         new = replay_units(self._replica, held, chunk)
         step_s = self.cost.serving_step_s
         return estimate_gain(old, new, self.horizon_tokens(), step_s if math.isfinite(step_s) else 0.0,
                              self.config.replay)
+
+    def _live_replay(self, held: list[FeedbackSequence]) -> list[UnitReplay]:
+        """The live weights' replay units of ``held``: cached per request text until the weights
+        change (the replay is deterministic for fixed weights and text)."""
+        if self._live_replays_of is not self.weights:
+            self._live_replays, self._live_replays_of = {}, self.weights
+        chunk = self.config.replay.chunk
+        keys = [_replay_key(seq) for seq in held]
+        missing = [(key, seq) for key, seq in zip(keys, held) if key not in self._live_replays]
+        self.live_replay_hits += len(held) - len(missing)
+        if missing:
+            self._replica.load_state_dict(self.weights)
+            for key, seq in missing:
+                self._live_replays[key] = replay_units(self._replica, [seq], chunk)
+        live = set(keys)  # forget requests that left the held-out part
+        self._live_replays = {k: v for k, v in self._live_replays.items() if k in live}
+        return [unit for key in keys for unit in self._live_replays[key]]
 
     def _publish(self, state: StateDict) -> float:
         t0 = time.perf_counter()
@@ -490,6 +512,12 @@ class AdaptationController:
         if self.config.policy is Policy.COST_AWARE:
             out.update(self.bandit.regret())
         return out
+
+
+def _replay_key(seq: FeedbackSequence) -> tuple:
+    """A held-out request's identity for the replay cache: its tokens and its features' sum (two
+    requests with the same generated text after different prompts have different features)."""
+    return (tuple(seq.tokens.tolist()), seq.length, float(seq.aux.double().sum()))
 
 
 def _with_time(d: Decision) -> Decision:

@@ -211,6 +211,27 @@ def test_gate_applies_when_gain_beats_cost_and_skips_otherwise():
     assert d.spent_s == pytest.approx(d.cost.train_s + d.cost.replay_s)  # never synced
 
 
+def test_the_live_weights_held_out_replay_is_reused_until_the_weights_change():
+    """Rounds overlap in held-out requests: the live side of the gain replay is computed once per
+    request and weights, and gives the same tau as replaying afresh."""
+    drafter = _drafter("eagle3")
+    ctl = _controller(drafter, lambda state: None)
+    ctl.add(_feedback("eagle3")[0])
+    candidate = _candidate("eagle3").state
+    first = ctl.estimate(candidate)
+    assert ctl.live_replay_hits == 0
+    second = ctl.estimate(candidate)
+    held = ctl.buffer.heldout_sequences()
+    assert ctl.live_replay_hits == len(held) == 4
+    assert second.tau_old == first.tau_old and second.tau_new == first.tau_new
+    fresh = replica(drafter)
+    fresh.load_state_dict(ctl.weights)
+    assert tau_of(replay_units(fresh, held, ctl.config.replay.chunk)) == first.tau_old
+    ctl._publish(candidate)  # new live weights: the cached side is stale
+    third = ctl.estimate(candidate)
+    assert ctl.live_replay_hits == 4 and third.tau_old == pytest.approx(first.tau_new)
+
+
 def test_cost_prices_contention_from_serving_steps_measured_idle_and_busy():
     from adaptation.cost_model import UpdateCostModel
 
