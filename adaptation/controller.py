@@ -38,10 +38,10 @@ from adaptation.bandit import SKIP, BanditConfig, CostAwareBandit, gate
 from adaptation.cost_model import CostConfig, CostEstimate, UpdateCostModel
 from adaptation.feedback import BufferConfig, FeedbackRecord, FeedbackSequence, ReplayBuffer
 from adaptation.gain import (
-    UnitReplay,
     GainEstimate,
     ReplayConfig,
     TrafficRate,
+    UnitReplay,
     estimate_gain,
     gain_seconds,
     replay_units,
@@ -413,29 +413,35 @@ class AdaptationController:
     def _paired_verdict(self) -> tuple[GuardVerdict, float, float]:
         """Replay the previous and the live weights on the guard window's feedback (same text);
         the replay's seconds join the pending update's cost."""
-        r0 = self.clock()
-        held = self.guard.window_sequences()
-        chunk = self.config.replay.chunk
-        assert self.guard.previous is not None
-        self._replica.load_state_dict(self.guard.previous)
-        tau_prev = tau_of(replay_units(self._replica, held, chunk))
-        self._replica.load_state_dict(self.weights)
-        tau_new = tau_of(replay_units(self._replica, held, chunk))
-        r1 = self.clock()
-        self._busy.append((r0, r1))
-        assert self._pending is not None
+        assert self.guard.previous is not None and self._pending is not None
+        tau_prev, tau_new, guard_s = self._replay_pair(self.guard.previous, self.weights,
+                                                       self.guard.window_sequences())
         arm, cost, est, positions = self._pending
-        guard_s = r1 - r0
         self.guard_replay_cost_s += guard_s * cost.contention
         self._pending = (arm, dataclasses.replace(cost, replay_s=cost.replay_s + guard_s), est, positions)
         return self.guard.judge(tau_prev, tau_new), tau_prev, tau_new
 
+    def _replay_pair(self, first: StateDict, second: StateDict,
+                     held: list[FeedbackSequence]) -> tuple[float, float, float]:
+        """Replayed tau of ``first`` and of ``second`` on the same ``held`` text, and the seconds
+        both replays took (recorded as busy time, for contention)."""
+        r0 = self.clock()
+        taus = []
+        for weights in (first, second):
+            self._replica.load_state_dict(weights)
+            taus.append(tau_of(replay_units(self._replica, held, self.config.replay.chunk)))
+        r1 = self.clock()
+        self._busy.append((r0, r1))
+        return taus[0], taus[1], r1 - r0
+
     def _watch_for_audit(self, record: FeedbackRecord) -> None:
         """Collect live steps into audit windows; audit when a window's tau drops (config docstring)."""
         size = self.config.audit_window_steps
-        if (size is None or self.config.policy is not Policy.COST_AWARE or self.guard.watching
-                or self.weights is self.start_weights):
-            self._audit_window, self._audit_ref = [], math.nan
+        if size is None or self.config.policy is not Policy.COST_AWARE:
+            return
+        if self.guard.watching or self.weights is self.start_weights:
+            if self._audit_window or not math.isnan(self._audit_ref):
+                self._audit_window, self._audit_ref = [], math.nan
             return
         self._audit_window.append(record)
         if len(self._audit_window) < size:
@@ -453,15 +459,8 @@ class AdaptationController:
         with self._lock:
             if not held:
                 return None
-            r0 = self.clock()
-            chunk = self.config.replay.chunk
-            self._replica.load_state_dict(self.start_weights)
-            tau_start = tau_of(replay_units(self._replica, held, chunk))
-            self._replica.load_state_dict(self.weights)
-            tau_live = tau_of(replay_units(self._replica, held, chunk))
-            r1 = self.clock()
-            self._busy.append((r0, r1))
-            cost = dataclasses.replace(self.cost.cost(SKIP), replay_s=r1 - r0)
+            tau_start, tau_live, replay_s = self._replay_pair(self.start_weights, self.weights, held)
+            cost = dataclasses.replace(self.cost.cost(SKIP), replay_s=replay_s)
             self.audit_cost_s += cost.replay_s * cost.contention
             verdict = self.guard.judge(tau_start, tau_live)
             sync_s = self._publish(self.start_weights) if verdict is GuardVerdict.ROLLBACK else 0.0

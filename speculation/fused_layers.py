@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculation.output_head import onednn_available
+from speculation.output_head import onednn_available, packed_path_applies
 
 PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling ``nn.Linear`` children that read the same input in the supported decoder families
@@ -110,8 +110,7 @@ class GroupedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self._the_group()
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if x.device.type != "cpu" or needs_grad or x.dtype != group.packed.dtype:
+        if not packed_path_applies(x, self.weight, group.packed):
             return F.linear(x, self.weight, self.bias)
         return group.output(self.member, x)
 

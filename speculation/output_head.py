@@ -56,6 +56,13 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def packed_path_applies(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether a product of ``x`` may use the oneDNN-packed copy ``packed`` of ``weight``: on the
+    CPU, in the packed copy's dtype, and with no gradient to compute (oneDNN's op has no backward)."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return x.device.type == "cpu" and not needs_grad and x.dtype == packed.dtype
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T (+ b)`` through oneDNN with ``W`` reordered once into oneDNN's blocked layout.
 
@@ -84,8 +91,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if x.device.type != "cpu" or needs_grad or x.dtype != self.packed.dtype:
+        if not packed_path_applies(x, self.weight, self.packed):
             return nn.functional.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)  # [M, in]
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")  # [M, out]
