@@ -4,13 +4,17 @@ what no operator accounts for (Python and the Hugging Face forward's glue).
 
     .venv/bin/python benchmarks/decode_profile.py --dtype float32 --baseline --json benchmarks/results/decode_profile_fp32.json
 
+    .venv/bin/python benchmarks/decode_profile.py --dtype float32 --baseline transformers-forward --json benchmarks/results/decode_profile_lean_fp32.json
+
 Loads the target as every command does (``assets.load_model``: grouped projections, fused RMS
-norms, oneDNN-packed linear layers),
-prefills one Spec-Bench prompt, then times ``--steps`` greedy ``TargetModel.decode`` steps without
-the profiler (the wall figure) and again under ``torch.profiler`` (the breakdown; the profiler
-adds its own overhead, reported as the difference of the two walls). ``--baseline`` also loads
-the target without the grouped projections and fused norms and times it interleaved with the
-first, run by run, on the same prompt (wall ratio and whether the greedy tokens are identical).
+norms, oneDNN-packed linear layers; ``TargetModel``'s lean decoder loop where the model
+qualifies), prefills one Spec-Bench prompt, then times ``--steps`` greedy ``TargetModel.decode``
+steps without the profiler (the wall figure) and again under ``torch.profiler`` (the breakdown;
+the profiler adds its own overhead, reported as the difference of the two walls).
+``--baseline`` also times a baseline interleaved with the target, run by run, on the same prompt
+(wall ratio and whether the greedy tokens are identical): ``unfused`` loads the target without
+the grouped projections and fused norms (so transformers' own forward), ``transformers-forward``
+runs the very same model through transformers' forward instead of the lean loop.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from pathlib import Path
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul")
 ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::bmm", "aten::baddbmm")
+
+
+BASELINES = {
+    "unfused": "transformers' separate projections and norms and its own forward, linear layers packed",
+    "transformers-forward": "the same fused, packed model through transformers' forward (no lean loop)",
+}
 
 
 def _group(name: str) -> str:
@@ -41,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported)")
     ap.add_argument("--top", type=int, default=12, help="operators listed by self time")
-    ap.add_argument("--baseline", action="store_true",
-                    help="also time the target without grouped projections and fused norms, side by side")
+    ap.add_argument("--baseline", nargs="?", const="unfused", choices=sorted(BASELINES),
+                    help="also time a baseline side by side: 'unfused' (transformers' separate projections "
+                         "and norms and its own forward; the default) or 'transformers-forward' (the same "
+                         "fused weights through transformers' forward instead of the lean loop)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -58,10 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     prompt = assets.encode_turn(target.tokenizer, [], assets.load_questions("spec_bench", 1)[0].turns[0])
 
     baseline = None
-    if args.baseline:
+    if args.baseline is not None:
         from speculation.target import TargetModel
 
-        baseline = TargetModel(assets.load_model(args.model, target.dtype, fuse=False), target.tokenizer)
+        if args.baseline == "unfused":
+            baseline = TargetModel(assets.load_model(args.model, target.dtype, fuse=False), target.tokenizer)
+        else:
+            baseline = TargetModel(target.model, target.tokenizer, aux_layers=target.aux_layers, lean=False)
 
     def decode(state, logits, steps: int, model=target) -> tuple[float, list[int]]:
         tokens = []
@@ -101,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "kind": "decode_profile",
         "command": " ".join(["benchmarks/decode_profile.py", *(argv if argv is not None else sys.argv[1:])]),
         "env": environment(), "model": args.model, "dtype": args.dtype, "steps": args.steps,
-        "prompt_tokens": len(prompt), "wall_ms_per_step": wall * 1e3, "walls_ms": [w * 1e3 for w in walls],
+        "prompt_tokens": len(prompt), "lean_forward": target.lean is not None, "wall_ms_per_step": wall * 1e3, "walls_ms": [w * 1e3 for w in walls],
         "profiled_wall_ms_per_step": profiled_wall * 1e3,
         "groups_ms_per_step": groups, "operators_ms_per_step": op_total,
         "unaccounted_ms_per_step": profiled_wall * 1e3 - op_total,
@@ -110,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if baseline is not None:
         base = sorted(base_walls)[len(base_walls) // 2]
         paired = sorted(b / w for b, w in zip(base_walls, walls))  # each run against its neighbour
-        out["baseline"] = {"what": "transformers' separate projections and norms, linear layers packed",
+        out["baseline"] = {"name": args.baseline, "what": BASELINES[args.baseline],
                            "wall_ms_per_step": base * 1e3, "walls_ms": [w * 1e3 for w in base_walls],
                            "speedup": base / wall, "paired_speedup_median": paired[len(paired) // 2],
                            "pairs_faster": sum(r > 1.0 for r in paired), "pairs": len(paired),

@@ -66,6 +66,7 @@ SECTIONS: dict[str, str] = {
     "output_head_fp32": "Target output head: nn.Linear against the transposed head, vanilla decoding side by side (fp32)",
     "linear_kernels_fp32": "Target linear kernels: F.linear, transposed head, oneDNN-packed layers; vanilla and retrieval side by side (fp32)",
     "decode_profile_fp32": "Where a vanilla decode step's time goes: linear kernels, attention, the rest (fp32)",
+    "decode_profile_lean_fp32": "The lean decoder loop against transformers' forward on the same weights: a vanilla decode step (fp32)",
     "cost_correction_fp32": "Solo cost-aware retrieval: a c(T) measured on a busy host, frozen against corrected online (fp32)",
 }
 
@@ -396,13 +397,18 @@ def render_decode_profile(res: dict) -> list[str]:
     g = res["groups_ms_per_step"]
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['steps']} greedy decode steps after a "
              f"{res['prompt_tokens']}-token prompt. Wall per step without the profiler: "
-             f"**{_f(res['wall_ms_per_step'], 1)} ms** (median of 3 runs); under the profiler "
+             f"**{_f(res['wall_ms_per_step'], 1)} ms** (median of {len(res.get('walls_ms', [])) or 3} runs); under the profiler "
              f"{_f(res['profiled_wall_ms_per_step'], 1)} ms.", ""]
+    if res.get("lean_forward") is not None:
+        lines += [f"Target forward: {'the lean decoder loop' if res['lean_forward'] else 'transformers'} "
+                  "(`speculation/lean_forward.py`).", ""]
     if res.get("baseline"):
         b = res["baseline"]
-        lines += [f"Side by side, run by run: without grouped projections and fused norms (separate "
-                  f"projections, linear layers packed) {_f(b['wall_ms_per_step'], 1)} ms per step (median). "
-                  f"Grouped and fused, each run against its neighbour: **{_f(b.get('paired_speedup_median'), 3)}×** "
+        name = b.get("name", "unfused")
+        what = ("without grouped projections and fused norms (separate projections, linear layers packed)"
+                if name == "unfused" else f"baseline `{name}` ({b['what']})")
+        lines += [f"Side by side, run by run: {what} {_f(b['wall_ms_per_step'], 1)} ms per step (median). "
+                  f"The target, each run against its neighbour: **{_f(b.get('paired_speedup_median'), 3)}×** "
                   f"as fast (median), faster in {b.get('pairs_faster', '–')} of {b.get('pairs', '–')} pairs; "
                   f"identical tokens: {_f(b['identical_tokens'])}.", ""]
     lines += ["| part of the profiled step | ms per step | share |", "|---|---|---|"]

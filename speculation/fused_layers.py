@@ -128,9 +128,15 @@ class FusedRMSNorm(nn.Module):
         self.eps = float(norm.variance_epsilon)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x^2, -1) + eps))``, the normalisation in fp32 and cast back to
+    ``x``'s dtype before the weight (transformers' Llama RMS norm), as one kernel in fp32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def _groupable(linears: Sequence[nn.Module]) -> bool:

@@ -16,13 +16,16 @@ indices ``[2, L // 2, L - 3]`` (the inputs of layers 2, L/2 and L-3), concatenat
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache
 
 from speculation.kv_reserve import reserve_rows
+from speculation.lean_forward import LeanDecoder
 from speculation.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -96,6 +99,9 @@ class TargetModel:
         model: a Hugging Face causal LM (eval mode, any dtype).
         tokenizer: its tokenizer (for EOS ids and templates).
         aux_layers: HF hidden-state indices for the drafters' features (default ``[2, L/2, L-3]``).
+        lean: run the forward passes through :class:`~speculation.lean_forward.LeanDecoder` where
+            the model qualifies (a fused, packed Llama-family model on the CPU; the same operators
+            without transformers' module glue), else through the model's own ``forward``.
     """
 
     def __init__(
@@ -103,8 +109,10 @@ class TargetModel:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None = None,
         aux_layers: tuple[int, int, int] | None = None,
+        lean: bool = True,
     ) -> None:
         self.model = model.eval()
+        self.lean: LeanDecoder | None = LeanDecoder.from_model(self.model) if lean else None
         self.tokenizer = tokenizer
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers: int = cfg.num_hidden_layers
@@ -142,6 +150,37 @@ class TargetModel:
             )
 
     # ------------------------------------------------------------------ forward passes
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: Cache,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        keep_last: bool = False,
+        need_aux: bool = False,
+        cache_position: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None]:
+        """One forward of ``input_ids`` ``[B, T]`` over ``cache``: the lean loop where it applies,
+        else the model's own ``forward``; both compute the same tensors (bit for bit, tested).
+
+        ``positions`` ``[B, T]`` (None: right after the cached rows), ``mask`` ``[B, 1, T, n + T]``
+        bool (None: causal), ``keep_last``: logits of the last row only. Returns (logits
+        ``[B, T or 1, V]``, hidden states by transformers index when ``need_aux``, else None).
+        """
+        lean = self._lean()
+        if lean is not None:
+            if positions is None:
+                positions = causal_positions(cache.get_seq_length(), input_ids.shape[1], self.device)
+            out = lean.forward(input_ids, positions, cache, mask=mask, keep_last=keep_last,
+                               hidden_at=self.aux_layers if need_aux else ())
+            return out.logits, (out.hidden if need_aux else None)
+        kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
+        if cache_position is not None:
+            kwargs["cache_position"] = cache_position
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                         output_hidden_states=need_aux, logits_to_keep=1 if keep_last else 0, **kwargs)
+        return out.logits, (out.hidden_states if need_aux else None)
+
     @torch.inference_mode()
     def prefill(self, ids: list[int], need_aux: bool = False) -> tuple[TargetState, torch.Tensor, torch.Tensor | None]:
         """Run the prompt. Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
@@ -149,26 +188,19 @@ class TargetModel:
             raise ValueError("prompt is empty: at least one token is required")
         state = TargetState(cache=reserve_rows(DynamicCache(config=self.model.config)))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(
-            input_ids=input_ids,
-            past_key_values=_cache(state),
-            use_cache=True,
-            output_hidden_states=need_aux,
-            logits_to_keep=1,
-        )
+        logits, hidden = self._forward(input_ids, _cache(state), keep_last=True, need_aux=need_aux)
         state.length = len(ids)
         state.tokens = list(ids)
-        aux = self._aux(out.hidden_states) if need_aux else None
-        return state, out.logits[0, -1], aux
+        return state, logits[0, -1], (self._aux(hidden) if need_aux else None)
 
     @torch.inference_mode()
     def decode(self, state: TargetState, token: int) -> torch.Tensor:
         """Vanilla step: append ``token`` to the cache and return the next-token logits ``[V]``."""
         input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=_cache(state), use_cache=True, logits_to_keep=1)
+        logits, _ = self._forward(input_ids, _cache(state), keep_last=True)
         state.length += 1
         state.tokens.append(int(token))
-        return out.logits[0, -1]
+        return logits[0, -1]
 
     @torch.inference_mode()
     def verify(self, state: TargetState, tree: DraftTree, need_aux: bool = False) -> TreeForward:
@@ -177,28 +209,15 @@ class TargetModel:
         cache = _cache(state)
         tt = tree.to_tensors()
         T = len(tree)
+        input_ids = tt.tokens.view(1, T).to(self.device)
         if T == 1:  # root only: the plain causal step is the same computation
-            input_ids = tt.tokens.view(1, 1).to(self.device)
-            out = self.model(
-                input_ids=input_ids,
-                past_key_values=cache,
-                use_cache=True,
-                output_hidden_states=need_aux,
-            )
+            logits, hidden = self._forward(input_ids, cache, need_aux=need_aux)
         else:
             mask, positions = tree_attention_inputs(tt.ancestor_mask, tt.depths, n, self.device)
-            out = self.model(
-                input_ids=tt.tokens.view(1, T).to(self.device),
-                attention_mask=mask,
-                position_ids=positions,
-                cache_position=torch.arange(n, n + T, device=self.device),
-                past_key_values=cache,
-                use_cache=True,
-                output_hidden_states=need_aux,
-            )
-        aux = self._aux(out.hidden_states) if need_aux else None
+            logits, hidden = self._forward(input_ids, cache, positions, mask, need_aux=need_aux,
+                                           cache_position=torch.arange(n, n + T, device=self.device))
         state.length += T  # provisional: commit() cuts back to the accepted path
-        return TreeForward(logits=out.logits[0], aux_hidden=aux)
+        return TreeForward(logits=logits[0], aux_hidden=self._aux(hidden) if need_aux else None)
 
     @torch.inference_mode()
     def commit(self, state: TargetState, tree: DraftTree, accepted: list[int]) -> None:
@@ -222,8 +241,13 @@ class TargetModel:
         """Drop the sequence's KV cache (idempotent); any later call on ``state`` raises."""
         state.cache = None
 
-    def _aux(self, hidden_states: tuple[torch.Tensor, ...], row: int = 0) -> torch.Tensor:
-        """``[T, 3H]``: concat of the three auxiliary hidden states of batch row ``row``."""
+    def _lean(self) -> LeanDecoder | None:
+        """The lean forward when it applies now (see :meth:`LeanDecoder.applies`), else None."""
+        return self.lean if self.lean is not None and self.lean.applies() else None
+
+    def _aux(self, hidden_states: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], row: int = 0) -> torch.Tensor:
+        """``[T, 3H]``: concat of the three auxiliary hidden states of batch row ``row`` (hidden
+        states by transformers ``hidden_states`` index)."""
         return torch.cat([hidden_states[i][row] for i in self.aux_layers], dim=-1)
 
     # ------------------------------------------------------------------ continuous batching (slots)
@@ -271,18 +295,11 @@ class TargetModel:
         cache = pool.batch_cache(slots, bases, sizes)
         tts = [t.to_tensors() for t in trees]
         input_ids, mask, positions = batch_tree_attention_inputs(tts, bases, cache.plan.kv_len, self.device)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=need_aux,
-        )
+        logits, hidden = self._forward(input_ids, cache, positions, mask, need_aux=need_aux)
         fwds = []
         for b, (state, t) in enumerate(zip(states, sizes)):
-            aux = self._aux(out.hidden_states, b)[:t] if need_aux else None
-            fwds.append(TreeForward(logits=out.logits[b, :t], aux_hidden=aux))
+            aux = self._aux(hidden, b)[:t] if need_aux else None
+            fwds.append(TreeForward(logits=logits[b, :t], aux_hidden=aux))
             state.length += t  # provisional: commit_slot() cuts back to the accepted path
         return fwds
 
