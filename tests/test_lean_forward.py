@@ -82,7 +82,7 @@ def test_the_lean_loop_is_used_only_where_the_model_qualifies_and_autograd_is_of
     lean = LeanDecoder.from_model(smol_fp32.model)
     assert lean is not None
     with torch.inference_mode():
-        assert lean.applies()
+        assert lean.applies() and lean.layers.applies(torch.zeros(1, 1, 576))
     assert not lean.applies()  # autograd on: oneDNN's packed op has no backward, transformers' forward runs
     # Transformers' separate projections (no grouping) and Gemma-3 (its own norm, sliding
     # windows, soft-capping family) keep the model's own forward.
@@ -103,3 +103,38 @@ def test_greedy_decoding_through_the_lean_loop_matches_transformers_generate(smo
     with torch.inference_mode():
         ref = smol_fp32.model.generate(ids, max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(ids))
     assert ours == ref[0, len(prompt):].tolist()
+
+
+def test_pipeline_shards_run_their_layer_ranges_through_the_lean_loop_bit_for_bit(smol_fp32):
+    """Two in-process ``TargetShard`` pieces of the real SmolLM2 (each a ``LeanLayers`` over its own
+    range, cache updates at the model's layer indices) equal transformers' forward bit for bit:
+    prefill with auxiliary features from both shards, then a branching tree."""
+    import numpy as np
+
+    from workers.shard import ShardSpec, StepInput, StepKind, TargetShard
+
+    model, tok = smol_fp32.model, smol_fp32.tokenizer
+    L = model.config.num_hidden_layers
+    aux = (2, L // 2, L - 3)
+    plain = TargetModel(model, tok, aux_layers=aux, lean=False)
+    shards = [TargetShard(ShardSpec("smollm2-135m", "float32", k, 2, r.start, r.stop), model=model, tokenizer=tok)
+              for k, r in enumerate((range(0, L // 2 + 1), range(L // 2 + 1, L)))]
+    assert all(s._lean is not None for s in shards)
+    assert sorted(shards[1]._lean.layers) == list(range(L // 2 + 1, L))
+
+    def run(step: StepInput):
+        hidden, parts = None, {}
+        for shard in shards:
+            hidden, part = shard.forward("s", step, hidden)
+            parts.update(part)
+        return hidden.to_torch(), torch.cat([parts[i].to_torch() for i in aux], -1)
+
+    prompt = assets.encode_turn(tok, [], "Name three uses of a paperclip.")
+    state, logits, want_aux = plain.prefill(prompt, need_aux=True)
+    got, got_aux = run(StepInput(StepKind.PREFILL, np.array(prompt), aux_layers=aux))
+    assert torch.equal(got, logits) and torch.equal(got_aux, want_aux)
+    tree = _branching_tree(int(logits.argmax()))
+    fwd = plain.verify(state, tree, need_aux=True)
+    tt = tree.to_tensors()
+    got, got_aux = run(StepInput(StepKind.TREE, tt.tokens.numpy(), tt.depths.numpy(), tt.ancestor_mask.numpy(), aux))
+    assert torch.equal(got, fwd.logits) and torch.equal(got_aux, fwd.aux_hidden)

@@ -51,6 +51,7 @@ from speculation import assets
 from speculation.config import DType
 from speculation.kv_reserve import reserve_rows
 from speculation.kv_slots import KVSlotPool
+from speculation.lean_forward import LeanLayers
 from speculation.target import (
     batch_tree_attention_inputs,
     causal_positions,
@@ -254,6 +255,11 @@ class TargetShard:
         for mod in (self.layers, self.rotary_emb, self.embed_tokens, self.norm, self.lm_head):
             if mod is not None:
                 mod.to(self.device).eval()
+        # The same layers as one loop without transformers' module glue, where they qualify (a
+        # fused, packed Llama-family model on the CPU); bit for bit the modules' result.
+        self._lean = LeanLayers.from_modules(
+            self.config, {i: self.layers[str(i)] for i in range(spec.start, spec.end)}, self.rotary_emb
+        )
         self._seqs: OrderedDict[str, _Sequence] = OrderedDict()
         self._pools: dict[str, KVSlotPool] = {}
         self._valid: dict[str, dict[int, int]] = {}  # pool -> slot -> committed rows
@@ -378,8 +384,12 @@ class TargetShard:
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """This shard's decoder layers over ``hidden`` ``[B, T, H]`` with the model's own mask
         preparation (``create_causal_mask``: HF's causal mask when ``mask`` is None, a 4D mask
-        passes through). Returns (hidden ``[B, T, H]``, {aux index: its input ``[B, T, H]``})."""
+        passes through), or as :class:`~speculation.lean_forward.LeanLayers` where that applies.
+        Returns (hidden ``[B, T, H]``, {aux index: its input ``[B, T, H]``})."""
         from transformers.masking_utils import create_causal_mask
+
+        if self._lean is not None and self._lean.applies(hidden):
+            return self._lean.run(hidden, positions, cache, mask, tuple(aux_layers))
 
         causal_mask = create_causal_mask(
             config=self.config,
