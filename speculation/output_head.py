@@ -75,9 +75,14 @@ class PackedLinear(nn.Module):
     M is the rows of the product: 1 for a decode step, the tree size for a verify pass, which is
     why tree verification gains most. The result differs from ``F.linear`` by rounding only
     (about 5e-6 absolute on these layers). ``weight`` and ``bias`` stay the original parameters
-    (shared, still tied where the model ties them); the packed copy is a non-persistent buffer, so
-    state dicts are unchanged. Off the CPU (a model moved to CUDA) or when autograd needs the
+    (shared, still tied where the model ties them); the packed copy is not a parameter or buffer,
+    so state dicts are unchanged. Off the CPU (a model moved to CUDA) or when autograd needs the
     product (oneDNN's op has no backward here), it falls back to ``F.linear``.
+
+    The packed copy follows the weight: it remembers which tensor it was packed from (object,
+    storage, dtype and in-place version) and packs again before the next product if any of
+    those changed (``load_state_dict``, an optimizer step, ``.to(dtype)``, a ``deepcopy``). A
+    weight that is an inference tensor has no version counter, so its products use ``F.linear``.
 
     Shapes: x ``[..., in]`` -> y ``[..., out]``.
     """
@@ -87,22 +92,62 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.register_buffer("packed", packed, persistent=False)
+        self._copy = _PackedCopy()
+        self.current_packed()
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """oneDNN's blocked layout of the weight as it is now (see :meth:`current_packed`)."""
+        return self.current_packed()
+
+    def current_packed(self) -> torch.Tensor | None:
+        """The packed copy of the weight as it is now (packed again if the weight changed since),
+        or None when the weight cannot be tracked (an inference tensor) or is not on the CPU."""
+        key = _weight_key(self.weight)
+        if key is None or self.weight.device.type != "cpu":
+            return None
+        held = self._copy.held
+        if held is None or held[0] != key:
+            held = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None))
+            self._copy.held = held  # one assignment: a concurrent reader sees an old or a new pair
+        return held[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not packed_path_applies(x, self.weight, self.packed):
+        packed = self.current_packed() if x.device.type == "cpu" else None
+        if packed is None or not packed_path_applies(x, self.weight, packed):
             return nn.functional.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)  # [M, in]
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")  # [M, out]
+        y = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")  # [M, out]
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class _PackedCopy:
+    """Holder of ``(weight key, packed tensor)``. Not a buffer: ``.to()`` leaves it alone (a cast
+    weight has a new key, so it is packed again), and a copy or pickle gets an empty holder
+    (oneDNN's opaque tensors cannot be copied; the copy packs its own weight on first use)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: tuple[tuple, torch.Tensor] | None = None
+
+    def __reduce__(self) -> tuple:
+        return (_PackedCopy, ())
+
+
+def _weight_key(weight: torch.Tensor) -> tuple | None:
+    """What identifies a weight's values without reading them: (object, storage, dtype, in-place
+    version), or None for an inference tensor (no version counter)."""
+    if weight.is_inference():
+        return None
+    return (id(weight), weight.data_ptr(), weight.dtype, weight._version)
 
 
 def pack_linears(model: nn.Module, skip: nn.Module | None = None) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` (the output head included, a
     :class:`TransposedHead` too) except ``skip`` (e.g. the head of a pipeline shard that never
-    runs it) by a :class:`PackedLinear`; returns how many. For inference targets on the CPU: the
-    packed copies are not updated if the weights change."""
+    runs it) by a :class:`PackedLinear`; returns how many (already packed layers are left as
+    they are). The packed copies follow later weight changes (see :class:`PackedLinear`)."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

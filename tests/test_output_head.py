@@ -30,6 +30,48 @@ def test_replacement_computes_the_linear_product_with_or_without_bias(kind):
 
 
 @needs_onednn
+def test_the_packed_copy_follows_the_weight_through_loads_optimizer_steps_copies_and_casts():
+    """A packed layer whose weight changes (load_state_dict, an optimizer step, a deepcopy then a
+    load, a dtype cast) computes with the new weight at its next product, never the old packing."""
+    import copy
+
+    gen = torch.Generator().manual_seed(1)
+    lin = nn.Linear(16, 24)
+    net = nn.Sequential(lin)
+    pack_linears(net)
+    x = torch.randn(4, 16, generator=gen)
+
+    def product(module, inp):
+        with torch.inference_mode():
+            return module(inp)
+
+    def check(module, inp):  # against F.linear on the weight as it is now
+        want = nn.functional.linear(inp, module[0].weight.detach(), module[0].bias.detach())
+        tol = 1e-2 if inp.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(product(module, inp), want, rtol=tol, atol=tol)
+
+    check(net, x)
+    net.load_state_dict({"0.weight": torch.randn(24, 16, generator=gen), "0.bias": torch.randn(24, generator=gen)})
+    check(net, x)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    net(x.requires_grad_(False)).square().sum().backward()  # autograd: F.linear
+    opt.step()
+    check(net, x)
+    twin = copy.deepcopy(net)
+    twin.load_state_dict({"0.weight": torch.randn(24, 16, generator=gen), "0.bias": torch.zeros(24)})
+    check(twin, x)
+    check(net, x)  # the original is untouched by its copy's load
+    assert not torch.equal(product(twin, x), product(net, x))
+    net.to(torch.bfloat16)
+    check(net, x.to(torch.bfloat16))
+    # A weight made in inference mode has no version counter: products go through F.linear.
+    with torch.inference_mode():
+        frozen = PackedLinear(nn.Linear(16, 24))
+    assert frozen.current_packed() is None
+    check(nn.Sequential(frozen), x)
+
+
+@needs_onednn
 def test_packed_linear_falls_back_for_autograd_and_packs_heads_except_skipped():
     lin = nn.Linear(16, 40)
     packed = PackedLinear(lin)
@@ -70,3 +112,16 @@ def test_the_loaded_target_keeps_its_tied_head_and_state_dict():
         ref = nn.functional.linear(hidden, head.weight)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert use_transposed_head(model) is False  # already replaced: nothing to do
+
+
+@needs_onednn
+def test_a_packed_network_pickles_and_its_copy_packs_its_own_weight():
+    import pickle
+
+    net = nn.Sequential(nn.Linear(8, 8))
+    pack_linears(net)
+    x = torch.randn(2, 8)
+    back = pickle.loads(pickle.dumps(net))
+    with torch.inference_mode():
+        torch.testing.assert_close(back(x), net(x))
+    assert back[0]._copy.held is not None and back[0]._copy.held is not net[0]._copy.held
