@@ -66,6 +66,7 @@ SECTIONS: dict[str, str] = {
     "output_head_fp32": "Target output head: nn.Linear against the transposed head, vanilla decoding side by side (fp32)",
     "linear_kernels_fp32": "Target linear kernels: F.linear, transposed head, oneDNN-packed layers; vanilla and retrieval side by side (fp32)",
     "decode_profile_fp32": "Where a vanilla decode step's time goes: linear kernels, attention, the rest (fp32)",
+    "drafter_kernels_fp32": "Drafter networks: F.linear against oneDNN-packed layers, EAGLE-3 and SpecBlock side by side (fp32)",
     "decode_profile_lean_fp32": "The lean decoder loop against transformers' forward on the same weights: a vanilla decode step (fp32)",
     "cost_correction_fp32": "Solo cost-aware retrieval: a c(T) measured on a busy host, frozen against corrected online (fp32)",
 }
@@ -423,6 +424,24 @@ def render_decode_profile(res: dict) -> list[str]:
     return lines
 
 
+def render_drafter_kernels(res: dict) -> list[str]:
+    """Feature drafters' networks, F.linear against packed layers, interleaved prompt by prompt."""
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['prompts']} Spec-Bench first turns, "
+             f"{res['max_new_tokens']} new tokens, greedy; both arms decode each prompt in turn.", "",
+             "| drafter | network layers | drafting ms/step | verify ms/step | tok/s | tau |", "|---|---|---|---|---|---|"]
+    for name, d in res["drafters"].items():
+        for arm, a in d["arms"].items():
+            what = f"oneDNN-packed ({d['packed_linear_layers']} layers)" if arm == "packed" else "`nn.Linear`"
+            lines.append(f"| {name} | {what} | {_f(a['drafting_ms_per_step'], 1)} | {_f(a['verify_ms_per_step'], 1)} | "
+                         f"{_f(a['tokens_per_s'], 1)} | {_f(a['tau'], 2)} |")
+    lines.append("")
+    for name, d in res["drafters"].items():
+        lines.append(f"- {name}: drafting time, linear / packed per prompt: **{_f(d['drafting_speedup_paired_median'], 2)}×** "
+                     f"(median), packed faster on {d['prompts_faster']} of {res['prompts']} prompts; identical tokens: "
+                     f"{_f(d['identical_tokens'])}; lossless against vanilla: {_f(d['lossless'])}.")
+    return lines
+
+
 def render_output_head(res: dict) -> list[str]:
     """Vanilla decoding with each output head, interleaved prompt by prompt."""
     shape = res["head_shape"]
@@ -536,6 +555,8 @@ def main() -> int:
             out += render_serve_load(res)
         elif kind == "output_head":
             out += render_output_head(res)
+        elif kind == "drafter_kernels":
+            out += render_drafter_kernels(res)
         elif kind == "adapt_bench":
             out += render_adapt(res)
         elif kind == "linear_kernels":
