@@ -170,11 +170,20 @@ def _ms(v) -> str:
     return "–" if v is None else f"{1000 * v:.0f}"
 
 
+def _tau_cell(m: dict) -> str:
+    """tau, or a vLLM peer's mean acceptance length marked as such."""
+    if m.get("tau") is None and m.get("vllm_acceptance_length") is not None:
+        return f"{_f(m['vllm_acceptance_length'])} (AL)"
+    return _f(m.get("tau"))
+
+
 def render_concurrency(res: dict) -> list[str]:
     """Closed-loop concurrency: per N and method, throughput, latency percentiles, tau, budget split."""
     lines = ["", "Closed-loop clients over the batched engine (first turns; each client sends its next prompt "
              "when its request ends). Speedup is against batched vanilla at the same N; the HF peer is "
-             "`generate` on left-padded static batches of N (not streamed, so no TTFT/ITL).", "",
+             "`generate` on left-padded static batches of N (not streamed, so no TTFT/ITL). vLLM peers run the "
+             "same closed loop on vLLM's own engine loop (continuous batching, in `.venv-vllm`); their tau column "
+             "is vLLM's mean acceptance length (AL), counted over drafted steps only.", "",
              "| N | method | tok/s | speedup | request tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tau | "
              "tree tokens / seq step | lossless |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -184,7 +193,7 @@ def render_concurrency(res: dict) -> list[str]:
             lines.append(
                 f"| {n} | {name} | {_f(m['tokens_per_s'], 1)} | {_f(m['speedup'], 2, '×')} | "
                 f"{_f(m['request_tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} | "
-                f"{_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {_f(m.get('tau'))} | "
+                f"{_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {_tau_cell(m)} | "
                 f"{_f(m.get('mean_tree_tokens_per_seq_step'), 1)} | {_f(m.get('lossless'))} |")
     return lines
 

@@ -194,3 +194,26 @@ def test_vllm_retrieval_custom_class_is_exact(prompts, vllm_plain):
     assert [r.tokens for r in ours] == [r.tokens for r in plain]
     assert sum(r.drafts for r in ours) > 0
     assert sum(r.accepted for r in ours) > 0
+
+
+@needs_vllm
+def test_vllm_closed_loop_keeps_n_clients_in_flight_and_decodes_what_one_at_a_time_does(prompts, vllm_plain):
+    """The concurrency bench's vLLM peer: 2 closed-loop clients over vLLM's engine loop. Every
+    request is answered with the tokens vLLM's one-at-a-time greedy gave, a new request is added
+    only when another finished (never more than 2 in flight), and each request's times are
+    ordered added <= first token <= finished <= wall."""
+    model_dir, plain = vllm_plain
+    session = VllmSession(VllmSpec(model=model_dir, dtype="float32", method=VllmMethod.NONE))
+    try:
+        run = session.closed_loop(prompts, NEW_TOKENS, SamplingConfig(), concurrency=2)
+        with pytest.raises(ValueError, match="concurrency must be >= 1"):
+            session.closed_loop(prompts, NEW_TOKENS, SamplingConfig(), concurrency=0)
+    finally:
+        session.close()
+    assert run.tokens == [r.tokens for r in plain]
+    for a, f, d in zip(run.added_s, run.first_token_s, run.finished_s):
+        assert 0.0 <= a <= f <= d <= run.wall_s
+    for i, a in enumerate(run.added_s):
+        in_flight = sum(1 for j in range(len(prompts)) if j != i and run.added_s[j] <= a < run.finished_s[j])
+        assert in_flight <= 1, f"request {i} was added with {in_flight} others in flight"
+    assert sum(len(t) for t in run.tokens) - len(prompts) == len(run.itl_s)

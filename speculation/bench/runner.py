@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from speculation import assets
+from speculation.bench import vllm_peers
 from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedup
 from speculation.bench.peers import Peer, parse_peers, peer_stats, reset_peer_stats, run_hf_batched, run_peer
 from speculation.config import BenchConfig, EngineConfig, to_dict
@@ -349,12 +350,43 @@ def run_concurrency(
         for m in methods.values():
             m["speedup"] = m["tokens_per_s"] / base
         level: dict[str, Any] = {"methods": methods}
-        if Peer.HF_GENERATE in parse_peers(",".join(cfg.peers)):
-            hf = _hf_batched_row(cfg, target, prompts, refs, n)
-            hf["speedup"] = hf["tokens_per_s"] / base
-            level["peers"] = {Peer.HF_GENERATE.value: hf}
+        peer_rows: dict[str, dict] = {}
+        for peer in parse_peers(",".join(cfg.peers)):
+            if peer == Peer.HF_GENERATE:
+                peer_rows[peer.value] = _hf_batched_row(cfg, target, prompts, refs, n)
+            elif peer.value in vllm_peers.PEER_METHODS:
+                peer_rows[peer.value] = _vllm_closed_loop_row(peer.value, cfg, target, prompts, refs, n)
+        for row in peer_rows.values():
+            row["speedup"] = row["tokens_per_s"] / base
+        if peer_rows:
+            level["peers"] = peer_rows
         out[str(n)] = level
     return out
+
+
+def _vllm_closed_loop_row(peer: str, cfg: BenchConfig, target: TargetModel, prompts: list[list[int]],
+                          refs: list[list[int]] | None, n: int) -> dict:
+    """A vLLM peer under the same closed loop as our methods: ``n`` clients, each sending the next
+    prompt as its request finishes, on vLLM's own engine loop (its continuous batching). The same
+    figures as a method row, plus vLLM's mean acceptance length."""
+    run = vllm_peers.session_for(peer, target).closed_loop(prompts, cfg.max_new_tokens, cfg.sampling, n)
+    total = sum(len(t) for t in run.tokens)
+    ttft = [f - a for f, a in zip(run.first_token_s, run.added_s) if f is not None]
+    rates = [len(t) / max(f - a, 1e-9) for t, f, a in zip(run.tokens, run.finished_s, run.added_s)]
+    row: dict[str, Any] = {
+        "tokens_per_s": total / run.wall_s,
+        "request_tokens_per_s": sum(rates) / len(rates),
+        "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
+        "itl_p50_s": _percentile(run.itl_s, 0.5), "itl_p99_s": _percentile(run.itl_s, 0.99),
+        "wall_s": run.wall_s,
+        "vllm_acceptance_length": 1.0 + run.accepted / run.drafts if run.drafts else None,
+    }
+    if refs is None:
+        row["lossless"] = None
+    else:
+        matches = [t == r for t, r in zip(run.tokens, refs)]
+        row["lossless"] = True if all(matches) else sum(matches) / len(matches)
+    return row
 
 
 def _hf_batched_row(cfg: BenchConfig, target: TargetModel, prompts: list[list[int]],

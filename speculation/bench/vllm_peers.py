@@ -114,6 +114,23 @@ class VllmResult:
     accepted: int
 
 
+@dataclass(frozen=True)
+class VllmClosedLoop:
+    """A closed-loop run of vLLM's engine: per request (dataset order) its tokens and its add,
+    first-token and finish times (seconds from the start), every inter-token gap, the wall time
+    and the speculation counters' deltas over the run."""
+
+    tokens: list[list[int]]
+    added_s: list[float]
+    first_token_s: list[float | None]
+    finished_s: list[float]
+    itl_s: list[float]
+    wall_s: float
+    drafts: int
+    draft_tokens: int
+    accepted: int
+
+
 def acceptance_length(results: list[VllmResult]) -> float | None:
     """vLLM's mean acceptance length ``1 + sum(accepted) / sum(drafts)`` (None without drafts)."""
     drafts = sum(r.drafts for r in results)
@@ -154,6 +171,18 @@ class VllmSession:
         result = VllmResult(**self._read())
         self.results.append(result)
         return result
+
+    def closed_loop(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+                    concurrency: int) -> VllmClosedLoop:
+        """``concurrency`` closed-loop clients over ``prompts`` on this engine (vLLM's continuous
+        batching); request i samples with seed ``sampling.seed + i``."""
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        job = {"prompts": prompts, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
+               "concurrency": concurrency}
+        self.proc.stdin.write(json.dumps({"closed_loop": job}) + "\n")
+        self.proc.stdin.flush()
+        return VllmClosedLoop(**self._read())
 
     def close(self) -> None:
         if self.proc.poll() is None:
