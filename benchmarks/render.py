@@ -53,6 +53,7 @@ SECTIONS: dict[str, str] = {
     "retrieval_scaling": "Retrieval proposal cost against context length",
     "vllm_peers_specbench_bf16": "vLLM as a peer: vanilla, n-gram, our EAGLE-3 head and our retrieval proposer inside vLLM (bf16)",
     "vllm_peers_specbench_fp32": "vLLM as a peer: vanilla, n-gram, our EAGLE-3 head and our retrieval proposer inside vLLM (fp32)",
+    "concurrency_vllm_specbench_fp32": "Continuous batching against vLLM's: the same closed loop on both engines (fp32)",
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
     "concurrency_specbench_fp32_drafting_charged_to_vanilla": "Continuous batching (fp32), the same run before the goodput fix: drafting seconds charged to the vanilla split too",
