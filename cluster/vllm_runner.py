@@ -7,9 +7,9 @@ is answered with the generated token ids, the wall time of vLLM's ``generate`` c
 deltas of vLLM's speculative-decoding counters over that call. A ``closed_loop`` request runs
 ``concurrency`` clients over vLLM's engine loop (``add_request`` / ``step``): each client sends
 the next prompt as soon as its request finishes; the answer carries every request's tokens, its
-add, first-token and finish times, the inter-token gaps, the wall time and the counters' deltas. The engine runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before vLLM is imported) so the custom proposer
-lives here too; vLLM's own logging is sent to stderr so that stdout carries the protocol only.
+add, first-token and finish times, the inter-token gaps, the wall time and the counters' deltas.
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before vLLM is
+imported) so the custom proposer lives here too; vLLM's own logging is sent to stderr so that stdout carries the protocol only.
 """
 
 from __future__ import annotations

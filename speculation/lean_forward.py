@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from speculation.fused_layers import FusedRMSNorm, GroupedProjection, rms_norm
 from speculation.output_head import PackedLinear
@@ -172,7 +174,6 @@ class LeanLayers:
         wanted = set(hidden_at)
         hidden: dict[int, torch.Tensor] = {}
         cos, sin = self.rotary(x, positions)  # [B, T, D] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
         gqa = nq // nkv
         causal = mask is None and T > 1
         for i, layer in self.layers.items():
@@ -183,11 +184,10 @@ class LeanLayers:
             q = q.view(B, T, nq, D).transpose(1, 2)  # [B, nq, T, D]
             k = k.view(B, T, nkv, D).transpose(1, 2)  # [B, nkv, T, D]
             v = v.view(B, T, nkv, D).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # cos/sin broadcast over heads
             k, v = cache.update(k, v, i)  # [B, nkv, n + T, D]
             if gqa > 1 and mask is not None:  # transformers' SDPA integration: repeat_kv with a mask
-                k, v = _repeat_kv(k, gqa), _repeat_kv(v, gqa)
+                k, v = repeat_kv(k, gqa), repeat_kv(v, gqa)
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
             else:
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
@@ -263,15 +263,3 @@ class LeanDecoder:
         H = x.shape[-1]
         logits = torch.ops.mkldnn._linear_pointwise(rows.reshape(-1, H), self.head, self.head_bias, "none", [], "")
         return LeanOutput(logits=logits.view(x.shape[0], rows.shape[1], -1), hidden=hidden)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[-x2, x1]`` for ``x = [x1, x2]`` split in halves on the last dim (RoPE's rotation)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """``[B, nkv, S, D] -> [B, nkv * n_rep, S, D]``, each KV head repeated for its query group."""
-    b, nkv, s, d = x.shape
-    return x[:, :, None].expand(b, nkv, n_rep, s, d).reshape(b, nkv * n_rep, s, d)

@@ -343,8 +343,7 @@ def run_concurrency(
             if refs is None:
                 m["lossless"] = None
             else:
-                matches = [tokens[f"q{i}"] == refs[i] for i in range(len(prompts))]
-                m["lossless"] = True if all(matches) else sum(matches) / len(matches)
+                m["lossless"] = _match_refs([tokens[f"q{i}"] for i in range(len(prompts))], refs)
             methods[spec.name] = m
         base = methods[BASELINE]["tokens_per_s"]
         for m in methods.values():
@@ -362,6 +361,12 @@ def run_concurrency(
             level["peers"] = peer_rows
         out[str(n)] = level
     return out
+
+
+def _match_refs(outputs: list[list[int]], refs: list[list[int]]) -> bool | float:
+    """True when every output equals its reference (solo vanilla), else the share that does."""
+    matches = [t == r for t, r in zip(outputs, refs)]
+    return True if all(matches) else sum(matches) / len(matches)
 
 
 def _vllm_closed_loop_row(peer: str, cfg: BenchConfig, target: TargetModel, prompts: list[list[int]],
@@ -384,8 +389,7 @@ def _vllm_closed_loop_row(peer: str, cfg: BenchConfig, target: TargetModel, prom
     if refs is None:
         row["lossless"] = None
     else:
-        matches = [t == r for t, r in zip(run.tokens, refs)]
-        row["lossless"] = True if all(matches) else sum(matches) / len(matches)
+        row["lossless"] = _match_refs(run.tokens, refs)
     return row
 
 
@@ -414,6 +418,5 @@ def _hf_batched_row(cfg: BenchConfig, target: TargetModel, prompts: list[list[in
     if refs is None:
         row["lossless"] = None
     else:
-        matches = [t == r for t, r in zip(tokens, refs)]
-        row["lossless"] = True if all(matches) else sum(matches) / len(matches)
+        row["lossless"] = _match_refs(tokens, refs)
     return row
