@@ -9,9 +9,9 @@ It implements the slot API of :class:`~speculation.target.TargetModel` that
 
 Per engine step the coordinator sends ONE call per shard
 (:meth:`~workers.shard.TargetShard.verify_batch`) for all live sequences: slots with their own KV
-lengths, per-row positions and 4D ancestor masks (built on the shard by
-``speculation.target.batch_tree_attention_inputs``, the in-process helper). Hidden states flow
-shard to shard as object refs; the coordinator fetches only the last shard's logits of the valid
+lengths, per-row positions and ancestor masks (built on the shard by the in-process helpers:
+``speculation.target.ragged_tree_inputs`` for a flat pass, ``batch_tree_attention_inputs`` for a
+padded one). Hidden states flow shard to shard as object refs (the batch's flat rows); the coordinator fetches only the last shard's logits of the valid
 rows (``[sum T_b, V]``) and the aux parts. ``commit_slot`` sends nothing: the step's KV
 compactions ride in the next call on that pool (:class:`~workers.shard.Compaction`, idempotent).
 
@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from cluster.backend import RayTargetBackend, ShardTimeoutError, wait_pipeline
+from speculation.config import BatchLayout
 from speculation.target import TreeForward
 from speculation.tree import DraftTree
 from workers.shard import (
@@ -196,8 +197,12 @@ class RayBatchTarget(RayTargetBackend):
         self._pools: weakref.WeakValueDictionary[str, RaySlotPool] = weakref.WeakValueDictionary()
         self._pool_ids = itertools.count()
         refs = [s.incarnation.remote() for s in self.shards]
-        wait_pipeline([[r] for r in refs], self.calls.call_timeout_s, "incarnation")
+        layouts = [s.batch_layout.remote() for s in self.shards]
+        wait_pipeline([[r] for r in (*refs, *layouts)], self.calls.call_timeout_s, "incarnation")
         self._incarnations: list[str] = ray.get(refs)
+        flat = all(layout is BatchLayout.FLAT for layout in ray.get(layouts))
+        self.batch_layout = BatchLayout.FLAT if flat else BatchLayout.PADDED
+        """How the shards lay a batched step out (what the goodput rule's cost model assumes)."""
         self._stale: set[int] = set()  # restarted shards whose pools are not re-prefilled yet
         self.recoveries = 0
         """Shard restarts recovered so far (pools recreated and live sequences re-prefilled)."""

@@ -202,6 +202,19 @@ def _as_graft_option(kind: str, build: Callable[[], T]) -> T:
         raise ConfigError(msg) from None
 
 
+class BatchLayout(str, enum.Enum):
+    """How a target lays out one batched verify forward (what its cost depends on).
+
+    PADDED: every row padded to the largest tree (``[B, max_b T_b]``; one masked attention over
+    the longest row's keys), so the step costs as if every row had the largest tree.
+    FLAT: the rows' tokens packed one after another (``[1, sum_b T_b]``; attention per row over its
+    own keys), so the step costs what its real tokens cost.
+    """
+
+    PADDED = "padded"
+    FLAT = "flat"
+
+
 class StageUnit(str, enum.Enum):
     """What Graft's ``stages`` count."""
 

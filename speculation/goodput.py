@@ -6,12 +6,24 @@ best ``n_b`` by score, ancestor-closed: :meth:`~speculation.tree.DraftTree.prune
 (its acceptance-by-rank estimate, non-increasing in r), the expected tokens of the step are
 ``sum_b (1 + sum_{r < n_b} q_b[r])`` (every sequence gains its bonus token).
 
-What the step costs is decided by the batched forward's shape, not by the number of real tree
-tokens: :meth:`~speculation.target.TargetModel.verify_batch` pads every row to the largest tree,
-``t = 1 + max_b n_b`` query positions, over the longest row's KV, ``L = max_b len_b`` committed
-tokens. So the step costs ``c(B, t, L)`` seconds (measured: :class:`BatchCostModel`), and a
-split that gives one sequence 10 drafts and the others none pays for ``B * 11`` query rows.
-The rule picks::
+What the step costs is decided by the batched forward's layout
+(:class:`~speculation.config.BatchLayout`, the target's ``batch_layout``).
+
+**FLAT** (the lean forward): the trees' tokens are packed into one pass and every row attends
+over its own keys, so the step costs what its real tokens cost: ``c(B, 1 + D/B, L)`` with
+``D = sum_b n_b`` the step's draft nodes and L the mean committed length (the grid is measured
+with every row the same size; a flat pass of B rows and N tokens costs about what B rows of
+N/B tokens do). For a given D the best split takes the D largest ``q_b[r]`` over all
+sequences (each ``q_b`` is non-increasing, so global descending order respects every
+sequence's rank order), and the rule scans D = 0 .. the step's room::
+
+    maximise   G(D) = (B + top_D(q)) / (k * c(B, 1 + D / B, mean_b len_b) + d)
+
+**PADDED** (transformers' forward): :meth:`~speculation.target.TargetModel.verify_batch` pads
+every row to the largest tree, ``t = 1 + max_b n_b`` query positions, over the longest row's
+KV, ``L = max_b len_b`` committed tokens. So the step costs ``c(B, t, L)`` seconds (measured:
+:class:`BatchCostModel`), and a split that gives one sequence 10 drafts and the others none
+pays for ``B * 11`` query rows. The rule picks::
 
     maximise   G(n_1..n_B) = (B + sum_b sum_{r < n_b} q_b[r]) / (k * c(B, 1 + max_b n_b, L) + d)
     subject to n_b <= cap_b (the drafted tree, slot room, max_tree_tokens - 1),
@@ -56,6 +68,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculation.config import BatchLayout
 from speculation.cost import interp
 from speculation.tree import DraftTree
 
@@ -77,9 +90,13 @@ class BatchCostModel:
     is linear in t per measured (L, B) (last slope beyond the largest t), linear in B between
     measured batch sizes (flat beyond the ends), and linear in L between measured contexts (last
     non-negative slope beyond the longest: attention grows with the context).
+
+    ``layout``: how the measured target lays a batch out, which decides how :func:`split_budget`
+    prices a split (module docstring): PADDED by the largest tree, FLAT by the mean tree.
     """
 
     grid: Mapping[int, Mapping[int, Mapping[int, float]]]
+    layout: BatchLayout = BatchLayout.PADDED
 
     def __post_init__(self) -> None:
         if not self.grid or any(not by_b or any(not row for row in by_b.values()) for by_b in self.grid.values()):
@@ -90,7 +107,7 @@ class BatchCostModel:
                                               *(row for by_b in self.grid.values() for row in by_b.values()))):
             raise ValueError("BatchCostModel contexts, batch sizes and row sizes must be >= 1")
 
-    def cost(self, batch: int, row_tokens: int, context: int) -> float:
+    def cost(self, batch: int, row_tokens: float, context: float) -> float:
         """c(batch, row_tokens, context) in seconds (class docstring)."""
         ls = sorted(self.grid)
         per_l = []
@@ -144,7 +161,8 @@ class Split:
     """The rule's choice for one step: draft nodes per sequence and what it expected.
 
     ``forward_s`` is the corrected forward prediction ``k * c(B, t, L)``; ``predicted_s`` adds
-    the drafting seconds."""
+    the drafting seconds. ``row_tokens`` is the largest tree (root included): the padded row size
+    of a PADDED step; a FLAT step pays for ``tree_tokens`` instead."""
 
     drafts: list[int]
     expected_tokens: float
@@ -155,6 +173,11 @@ class Split:
     @property
     def tokens_per_s(self) -> float:
         return self.expected_tokens / self.predicted_s
+
+    @property
+    def tree_tokens(self) -> int:
+        """Tokens the step verifies: every root plus the granted draft nodes."""
+        return len(self.drafts) + sum(self.drafts)
 
 
 def split_budget(
@@ -178,11 +201,14 @@ def split_budget(
     if correction <= 0:
         raise ValueError(f"split_budget correction must be positive, got {correction}")
     qs = [list(estimates[b])[: max(caps[b], 0)] for b in range(B)]
+    ranked = sorted(((q, r, b) for b, qb in enumerate(qs) for r, q in enumerate(qb)), key=lambda x: -x[0])
+    room = None if budget is None else max(0, budget - B)
+    if cost.layout is BatchLayout.FLAT:
+        mean_l = statistics.fmean(contexts) if contexts is not None else 0.0
+        return _split_flat(ranked, B, room, cost, mean_l, drafting_s, correction, drafting_spent)
     L = max(contexts) if contexts is not None else 0
     # prefix[b][n] = sum of sequence b's n best q's
     prefix = [list(itertools.accumulate(q, initial=0.0)) for q in qs]
-    ranked = sorted(((q, r, b) for b, qb in enumerate(qs) for r, q in enumerate(qb)), key=lambda x: -x[0])
-    room = None if budget is None else max(0, budget - B)
     best: Split | None = None
     for t in range(1, 2 + max(len(q) for q in qs)):
         if room is None or sum(min(len(q), t - 1) for q in qs) <= room:
@@ -207,6 +233,34 @@ def split_budget(
     return best
 
 
+def _split_flat(
+    ranked: list[tuple[float, int, int]],
+    B: int,
+    room: int | None,
+    cost: BatchCostModel,
+    context: float,
+    drafting_s: float,
+    correction: float,
+    drafting_spent: bool,
+) -> Split:
+    """:func:`split_budget` for a FLAT step: the D largest q's (``ranked``: (q, rank, sequence),
+    descending) for the D in 0 .. room that maximises G(D) (module docstring)."""
+    top = len(ranked) if room is None else min(room, len(ranked))
+    drafts, acc = [0] * B, float(B)
+    best: Split | None = None
+    for D in range(top + 1):
+        if D:
+            q, _, b = ranked[D - 1]
+            drafts[b] += 1
+            acc += q
+        fwd = correction * cost.cost(B, 1 + D / B, context)
+        d = drafting_s if drafting_spent or D else 0.0
+        if best is None or acc / (fwd + d) > best.tokens_per_s:
+            best = Split(list(drafts), acc, fwd + d, fwd, 1 + max(drafts))
+    assert best is not None
+    return best
+
+
 @torch.inference_mode()
 def measure_batch_cost(
     target,
@@ -217,7 +271,8 @@ def measure_batch_cost(
 ) -> BatchCostModel:
     """Time :meth:`TargetModel.verify_batch` at each context L, batch size B and row size t (every
     row a t-token tree over L committed tokens); median of ``repeats`` (after one warm-up).
-    On CUDA every timed call is bracketed by ``torch.cuda.synchronize``."""
+    On CUDA every timed call is bracketed by ``torch.cuda.synchronize``. The model records the
+    target's ``batch_layout`` (PADDED for a target that does not say)."""
     from speculation.tree import NodeSource
 
     if not contexts or not batch_sizes or not row_tokens:
@@ -253,7 +308,7 @@ def measure_batch_cost(
                         for st in states[:B]:
                             st.length = L  # drop the provisional tree rows
                     grid[L][B][t] = statistics.median(times)
-        return BatchCostModel(grid)
+        return BatchCostModel(grid, layout=getattr(target, "batch_layout", BatchLayout.PADDED))
     finally:
         for st in states:
             target.release_slot(st)

@@ -16,6 +16,12 @@ A batched tree forward over slots ``s_1..s_B`` with trees of ``T_b`` nodes after
   4D mask ``[B, 1, T_max, L_max]`` (see :func:`speculation.target.batch_tree_attention_inputs`)
   selects from. When the slots are one contiguous range the slab is a view (no copy).
 
+The **flat** (ragged) layout used by the lean forward (:mod:`speculation.lean_forward`) packs the
+rows' tokens one after another instead (``[1, sum_b T_b]``, row b at offsets ``o_b .. o_b + T_b``,
+no padding): :meth:`SlotBatchCache.write` scatters its new rows, and :meth:`SlotBatchCache.row_kv`
+hands attention each row's own keys ``K[l][s_b : s_b + 1, :, : n_b + T_b]`` (a view, no slab, no
+copy), so row b's attention is the very call a solo forward of that sequence makes.
+
 After acceptance, :meth:`KVSlotPool.compact` moves the accepted rows ``n + accepted`` to
 ``n .. n + m`` inside the slot (m + 1 rows per layer) and the valid length becomes ``n + m + 1``.
 """
@@ -109,9 +115,10 @@ class KVSlotPool:
             k[slot, :, base : base + m1] = k[slot].index_select(1, src)
             v[slot, :, base : base + m1] = v[slot].index_select(1, src)
 
-    def batch_cache(self, slots: list[int], bases: list[int], sizes: list[int]) -> SlotBatchCache:
-        """The ``Cache`` for one batched forward: row b writes ``sizes[b]`` tokens at ``bases[b]``."""
-        return SlotBatchCache(self, slots, bases, sizes)
+    def batch_cache(self, slots: list[int], bases: list[int], sizes: list[int], flat: bool = False) -> SlotBatchCache:
+        """The ``Cache`` for one batched forward: row b writes ``sizes[b]`` tokens at ``bases[b]``
+        (``flat``: the rows' tokens packed one after another, module docstring)."""
+        return SlotBatchCache(self, slots, bases, sizes, flat=flat)
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -128,12 +135,21 @@ class _SlotLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """``key_states``: ``[B, H_kv, T_max, D]``; returns the slab ``[B, H_kv, L_max, D]`` twice."""
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Scatter the new rows (``[B, H_kv, T_max, D]`` padded, or ``[1, H_kv, sum T_b, D]`` flat)
+        into their slots."""
         p = self.plan
         k_all, v_all = self.pool.keys[self.layer_idx], self.pool.values[self.layer_idx]
         k_all[p.dst_slot, :, p.dst_pos] = key_states[p.src_row, :, p.src_col].to(k_all.dtype)
         v_all[p.dst_slot, :, p.dst_pos] = value_states[p.src_row, :, p.src_col].to(v_all.dtype)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """``key_states``: ``[B, H_kv, T_max, D]``; returns the slab ``[B, H_kv, L_max, D]`` twice."""
+        p = self.plan
+        if p.flat:
+            raise RuntimeError("a flat batch cache has no slab: attend per row through SlotBatchCache.row_kv")
+        self.write(key_states, value_states)
+        k_all, v_all = self.pool.keys[self.layer_idx], self.pool.values[self.layer_idx]
         if p.contiguous is not None:
             lo, hi = p.contiguous
             return k_all[lo:hi, :, : p.kv_len], v_all[lo:hi, :, : p.kv_len]
@@ -152,15 +168,21 @@ class _SlotLayer(CacheLayerMixin):
 class _WritePlan:
     """Flat scatter indices of one batched forward (built once, shared by every layer)."""
 
-    def __init__(self, slots: list[int], bases: list[int], sizes: list[int], device: torch.device) -> None:
+    def __init__(
+        self, slots: list[int], bases: list[int], sizes: list[int], device: torch.device, flat: bool = False
+    ) -> None:
         if not (len(slots) == len(bases) == len(sizes)) or not slots:
             raise ValueError("slots, bases and sizes must be non-empty and of equal length")
-        src_row = [b for b, t in enumerate(sizes) for _ in range(t)]
-        src_col = [i for t in sizes for i in range(t)]
-        self.src_row = torch.tensor(src_row, dtype=torch.long, device=device)  # [N]
-        self.src_col = torch.tensor(src_col, dtype=torch.long, device=device)  # [N]
-        self.dst_slot = torch.tensor([slots[b] for b in src_row], dtype=torch.long, device=device)  # [N]
-        self.dst_pos = torch.tensor([bases[b] + i for b, i in zip(src_row, src_col)], dtype=torch.long,
+        row = [b for b, t in enumerate(sizes) for _ in range(t)]  # batch row of each new token
+        col = [i for t in sizes for i in range(t)]  # its node index in that row's tree
+        self.flat = flat
+        self.slot_list, self.bases, self.sizes = list(slots), list(bases), list(sizes)
+        # where each new token sits in the forward's key tensor: [B, H, T_max, D] padded -> (row, col);
+        # [1, H, sum T_b, D] flat -> (0, running offset)
+        self.src_row = torch.tensor([0] * len(row) if flat else row, dtype=torch.long, device=device)  # [N]
+        self.src_col = torch.tensor(list(range(len(row))) if flat else col, dtype=torch.long, device=device)  # [N]
+        self.dst_slot = torch.tensor([slots[b] for b in row], dtype=torch.long, device=device)  # [N]
+        self.dst_pos = torch.tensor([bases[b] + i for b, i in zip(row, col)], dtype=torch.long,
                                     device=device)  # [N]
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)  # [B]
         self.kv_len = max(n + t for n, t in zip(bases, sizes))
@@ -171,12 +193,33 @@ class _WritePlan:
 class SlotBatchCache(Cache):
     """A transformers ``Cache`` over :class:`KVSlotPool` rows for one batched forward."""
 
-    def __init__(self, pool: KVSlotPool, slots: list[int], bases: list[int], sizes: list[int]) -> None:
+    def __init__(
+        self, pool: KVSlotPool, slots: list[int], bases: list[int], sizes: list[int], flat: bool = False
+    ) -> None:
         if not pool.keys:
             raise ValueError("the KV pool is empty: load a prefix first")
         if max(n + t for n, t in zip(bases, sizes)) > pool.max_tokens:
             raise ValueError(f"a row would write past the slot size {pool.max_tokens}")
-        plan = _WritePlan(slots, bases, sizes, pool.keys[0].device)
+        plan = _WritePlan(slots, bases, sizes, pool.keys[0].device, flat=flat)
         absent = [DummyLayer() for _ in range(pool.first_layer)]  # another shard's layers
         super().__init__(layers=[*absent, *(_SlotLayer(pool, i, plan) for i in range(pool.num_layers))])
         self.plan = plan
+        self.pool = pool
+
+    # ------------------------------------------------------------------ flat (ragged) rows
+    @property
+    def row_sizes(self) -> list[int]:
+        """``T_b`` per batch row: the flat layout's segment lengths, in order."""
+        return self.plan.sizes
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """Scatter layer ``layer_idx``'s new rows (flat ``[1, H_kv, sum T_b, D]``) into the slots."""
+        self.layers[layer_idx].write(key_states, value_states)
+
+    def row_kv(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s keys and values of layer ``layer_idx`` after :meth:`write`: its committed
+        rows and its tree, ``[1, H_kv, n_b + T_b, D]`` each (views into the pool)."""
+        p = self.plan
+        s, end = p.slot_list[row], p.bases[row] + p.sizes[row]
+        i = layer_idx - self.pool.first_layer
+        return self.pool.keys[i][s : s + 1, :, :end], self.pool.values[i][s : s + 1, :, :end]

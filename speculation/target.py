@@ -24,8 +24,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
+from speculation.config import BatchLayout
 from speculation.kv_reserve import reserve_rows
-from speculation.lean_forward import LeanDecoder
+from speculation.lean_forward import LeanDecoder, RaggedRows
 from speculation.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -159,12 +160,14 @@ class TargetModel:
         keep_last: bool = False,
         need_aux: bool = False,
         cache_position: torch.Tensor | None = None,
+        rows: RaggedRows | None = None,
     ) -> tuple[torch.Tensor, Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None]:
         """One forward of ``input_ids`` ``[B, T]`` over ``cache``: the lean loop where it applies,
         else the model's own ``forward``; both compute the same tensors (bit for bit, tested).
 
         ``positions`` ``[B, T]`` (None: right after the cached rows), ``mask`` ``[B, 1, T, n + T]``
-        bool (None: causal), ``keep_last``: logits of the last row only. Returns (logits
+        bool (None: causal), ``keep_last``: logits of the last row only, ``rows``: a flat batch
+        (lean loop only, :class:`~speculation.lean_forward.RaggedRows`). Returns (logits
         ``[B, T or 1, V]``, hidden states by transformers index when ``need_aux``, else None).
         """
         lean = self._lean()
@@ -172,8 +175,10 @@ class TargetModel:
             if positions is None:
                 positions = causal_positions(cache.get_seq_length(), input_ids.shape[1], self.device)
             out = lean.forward(input_ids, positions, cache, mask=mask, keep_last=keep_last,
-                               hidden_at=self.aux_layers if need_aux else ())
+                               hidden_at=self.aux_layers if need_aux else (), rows=rows)
             return out.logits, (out.hidden if need_aux else None)
+        if rows is not None:
+            raise RuntimeError("a flat batch needs the lean forward (see TargetModel.batch_layout)")
         kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
         if cache_position is not None:
             kwargs["cache_position"] = cache_position
@@ -273,6 +278,11 @@ class TargetModel:
         self.release(solo)
         return SlotState(pool=pool, slot=slot, length=n, tokens=list(ids)), logits, aux
 
+    @property
+    def batch_layout(self) -> BatchLayout:
+        """How :meth:`verify_batch` lays a batch out: FLAT where the lean loop runs, else PADDED."""
+        return BatchLayout.FLAT if self.lean is not None and self.lean.placed() else BatchLayout.PADDED
+
     @torch.inference_mode()
     def verify_batch(
         self, states: list[SlotState], trees: list[DraftTree], need_aux: bool = False
@@ -280,8 +290,13 @@ class TargetModel:
         """ONE forward over every tree of every sequence (per-row masks and positions).
 
         Row b verifies ``trees[b]`` after the ``n_b`` valid rows of its slot; node i sees exactly
-        its slot's committed rows and its own path (see :func:`batch_tree_attention_inputs`), so its
-        logits equal a solo :meth:`verify` of that tree up to floating-point summation order.
+        its slot's committed rows and its own path, so its logits equal a solo :meth:`verify` of
+        that tree. :attr:`batch_layout` FLAT (the lean loop): the trees' tokens are packed into one
+        ``[1, sum T_b]`` pass, every projection runs once over them, and each row attends over its
+        own slot with the solo forward's call (:func:`ragged_tree_inputs`); the logits are then
+        the solo verify's bit for bit wherever the GEMM kernels are batch-invariant (tested).
+        PADDED (transformers' forward): rows padded to the largest tree, one masked attention
+        (:func:`batch_tree_attention_inputs`), equal to the solo verify up to summation order.
         The tree rows are provisional until :meth:`commit_slot`.
         """
         if len(states) != len(trees) or not states:
@@ -292,11 +307,21 @@ class TargetModel:
         slots = [s.held_slot() for s in states]
         bases = [s.length for s in states]
         sizes = [len(t) for t in trees]
-        cache = pool.batch_cache(slots, bases, sizes)
         tts = [t.to_tensors() for t in trees]
+        fwds = []
+        if self._lean() is not None:  # inference mode here: the lean loop runs, so FLAT
+            cache = pool.batch_cache(slots, bases, sizes, flat=True)
+            input_ids, positions, rows = ragged_tree_inputs(tts, bases, self.device)
+            logits, hidden = self._forward(input_ids, cache, positions, need_aux=need_aux, rows=rows)
+            aux_all = self._aux(hidden) if need_aux else None  # [sum T_b, 3H]
+            for state, o, t in zip(states, rows.offsets, sizes):
+                aux = aux_all[o : o + t] if aux_all is not None else None
+                fwds.append(TreeForward(logits=logits[0, o : o + t], aux_hidden=aux))
+                state.length += t  # provisional: commit_slot() cuts back to the accepted path
+            return fwds
+        cache = pool.batch_cache(slots, bases, sizes)
         input_ids, mask, positions = batch_tree_attention_inputs(tts, bases, cache.plan.kv_len, self.device)
         logits, hidden = self._forward(input_ids, cache, positions, mask, need_aux=need_aux)
-        fwds = []
         for b, (state, t) in enumerate(zip(states, sizes)):
             aux = self._aux(hidden, b)[:t] if need_aux else None
             fwds.append(TreeForward(logits=logits[b, :t], aux_hidden=aux))
@@ -388,6 +413,28 @@ def batch_tree_attention_inputs(
         positions[b, :tb] = tt.depths
         positions[b] += n
     return ids.to(device), mask.to(device), positions.to(device)
+
+
+def ragged_tree_inputs(
+    trees: list, past_lens: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, RaggedRows]:
+    """Token ids, positions and rows of one flat (ragged) batched tree forward.
+
+    Row b's ``T_b`` nodes (``trees[b]``, a :class:`~speculation.tree.TreeTensors`) after its
+    ``n_b = past_lens[b]`` committed tokens take tokens ``o_b .. o_b + T_b`` of the packed pass::
+
+        ids[0, o_b + i]       = token_i                                     # [1, sum T_b] int64
+        position[0, o_b + i]  = n_b + d_b[i]                                # [1, sum T_b] int64
+        mask_b                = [1]*n_b ++ A_b  (tree_attention_inputs)     # [1, 1, T_b, n_b + T_b]
+
+    and ``mask_b`` is None for a one-token row (a decode step: it attends to every key of its row).
+    """
+    ids = torch.cat([tt.tokens for tt in trees]).view(1, -1).to(device)
+    positions = torch.cat([tt.depths.to(torch.long) + n for tt, n in zip(trees, past_lens)]).view(1, -1).to(device)
+    masks = []
+    for tt, n in zip(trees, past_lens):
+        masks.append(None if tt.tokens.shape[0] == 1 else tree_attention_inputs(tt.ancestor_mask, tt.depths, n, device)[0])
+    return ids, positions, RaggedRows(sizes=tuple(int(tt.tokens.shape[0]) for tt in trees), masks=tuple(masks))
 
 
 def causal_positions(past_len: int, length: int, device: torch.device) -> torch.Tensor:

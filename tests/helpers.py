@@ -36,11 +36,14 @@ def tiny_llama(
     lm_head_scale: float = 1.0,
     tie_word_embeddings: bool = False,
     eos_token_id: int | None = None,
+    lean: bool = False,
 ) -> LlamaForCausalLM:
     """A 4-layer randomly initialised Llama (fp32, sdpa, eval mode), deterministic in ``seed``.
 
     ``lm_head_scale`` multiplies the output-embedding weights (sharper, less uniform
-    next-token distributions). No EOS unless ``eos_token_id`` is given.
+    next-token distributions). No EOS unless ``eos_token_id`` is given. ``lean``: projections
+    grouped and packed as :func:`speculation.assets.load_model` does, so a ``TargetModel`` over it
+    runs the lean loop (batched verify FLAT; plain models stay PADDED).
     """
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -64,13 +67,22 @@ def tiny_llama(
             model.lm_head.weight.mul_(lm_head_scale)
     # No EOS unless asked for (LlamaConfig's default eos id 2 would otherwise apply).
     model.generation_config.eos_token_id = eos_token_id
-    return model.eval()
+    model = model.eval()
+    if lean:
+        from speculation.fused_layers import fuse_decoder
+        from speculation.output_head import pack_linears
+
+        fuse_decoder(model)
+        pack_linears(model)
+    return model
 
 
 @functools.lru_cache(maxsize=8)
-def shared_tiny_llama(vocab_size: int = 64, seed: int = 0, lm_head_scale: float = 1.0) -> LlamaForCausalLM:
+def shared_tiny_llama(
+    vocab_size: int = 64, seed: int = 0, lm_head_scale: float = 1.0, lean: bool = False
+) -> LlamaForCausalLM:
     """:func:`tiny_llama`, built once per argument set and shared (callers must not modify it)."""
-    return tiny_llama(vocab_size=vocab_size, seed=seed, lm_head_scale=lm_head_scale)
+    return tiny_llama(vocab_size=vocab_size, seed=seed, lm_head_scale=lm_head_scale, lean=lean)
 
 
 def tiny_tokenizer(vocab_size: int = 64, eos_token: int | None = None):

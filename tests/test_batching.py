@@ -57,8 +57,13 @@ ARRIVE = [0, 0, 1, 3, 3, 6]  # step at which each request is added (staggered ar
 GREEDY = SamplingConfig(temperature=0.0)
 
 
-def _model():
-    return shared_tiny_llama(vocab_size=VOCAB, seed=42)
+def _model(layout: str = "padded"):
+    """The tiny Llama; ``"flat"``: the same weights grouped and packed (the lean loop, FLAT batches)."""
+    model = shared_tiny_llama(vocab_size=VOCAB, seed=42, lean=layout == "flat")
+    return model
+
+
+LAYOUTS = ["padded", "flat"]
 
 
 def _eagle3(target):
@@ -150,10 +155,12 @@ def _check_updates(updates, result, n_max):
 
 
 # ---------------------------------------------------------------------------- greedy exactness
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", list(DRAFTERS))
-def test_batched_greedy_equals_solo_vanilla(name):
-    model = _model()
+def test_batched_greedy_equals_solo_vanilla(name, layout):
+    model = _model(layout)
     target = tiny_target(model)
+    assert target.batch_layout.value == layout
     refs = [_solo_vanilla(target, p, n) for p, n in zip(PROMPTS, NEW)]
     # 4 slots for 6 requests: some wait for a slot; arrivals are staggered.
     engine = BatchEngine(target, _factory(name, target), BatchConfig(max_sequences=4, max_tokens_per_sequence=64))
@@ -198,14 +205,16 @@ def test_eos_and_stop_ids_mid_batch():
     assert results["r0"].tokens[-1] == eos and len(results["r0"].tokens) <= 7
 
 
-def test_verify_batch_matches_solo_verify():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verify_batch_matches_solo_verify(layout):
     """One batched forward over trees of different sizes after different KV lengths gives each
     tree the logits of its own solo verify (to fp32 rounding), and commits the right rows."""
     from speculation.tree import DraftTree
     from tests.helpers import random_tree
     import random
 
-    target = tiny_target(_model())
+    target = tiny_target(_model(layout))
+    assert target.batch_layout.value == layout
     pool = target.new_slot_pool(4, 64)
     rng = random.Random(0)
     states, solos, trees = [], [], []
@@ -235,9 +244,10 @@ def test_verify_batch_matches_solo_verify():
 
 
 # ---------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", ["vanilla", "random-tree"])
-def test_batched_sampling_equals_solo_with_same_seed(name):
-    model = _model()
+def test_batched_sampling_equals_solo_with_same_seed(name, layout):
+    model = _model(layout)
     target = tiny_target(model)
     samplings = [SamplingConfig(temperature=t, top_p=tp, top_k=k, seed=s)
                  for t, tp, k, s in [(0.8, 0.9, 0, 1), (1.0, 1.0, 0, 2), (0.7, 1.0, 10, 3), (1.3, 0.95, 20, 4),
@@ -406,6 +416,35 @@ def test_split_budget_prices_the_padded_rows_not_the_real_tokens():
     assert split_budget(one_good, [8, 0, 0, 0], flat).drafts == [8, 0, 0, 0]
 
 
+def test_split_budget_prices_a_flat_batch_by_its_real_tokens():
+    """A FLAT target (the lean forward: one packed pass, attention per row) pays for the tokens the
+    step verifies, c(B, 1 + D/B, mean L): one sequence's deep tree no longer makes every row deep,
+    and for each D the D best q's over all sequences are taken."""
+    from speculation.config import BatchLayout
+    from speculation.goodput import BatchCostModel, split_budget
+
+    grid = {64: {4: {1: 0.4, 16: 6.4}}}  # 0.1 s per query position at B = 4, as in the padded test
+    one_good = [[0.5] * 8, [], [], []]
+    padded, flat = BatchCostModel(grid), BatchCostModel(grid, layout=BatchLayout.FLAT)
+    assert split_budget(one_good, [8, 0, 0, 0], padded).drafts == [0, 0, 0, 0]
+    # flat, same grid: a draft node costs 0.1 s (a quarter of a row) for 0.5 tokens, 5 tok/s
+    # against the step's 10: still none
+    assert split_budget(one_good, [8, 0, 0, 0], flat).drafts == [0, 0, 0, 0]
+    # a draft node at 0.01 s: the good sequence drafts alone (padded, it would pay 4 x 8 positions)
+    cheap = BatchCostModel({64: {4: {1: 0.4, 16: 1.0}}}, layout=BatchLayout.FLAT)
+    s = split_budget([[0.9] * 8, [0.05], [0.05], []], [8, 1, 1, 0], cheap)
+    assert s.drafts == [8, 0, 0, 0] and s.tree_tokens == 12 and s.row_tokens == 9
+    assert s.forward_s == pytest.approx(cheap.cost(4, 1 + 8 / 4, 0))
+    # the budget takes the best q's across sequences first
+    s = split_budget([[0.9, 0.2], [0.8, 0.7]], [2, 2], BatchCostModel({64: {2: {1: 1.0, 16: 1.1}}},
+                                                                      layout=BatchLayout.FLAT), budget=5)
+    assert s.drafts == [1, 2] and s.expected_tokens == pytest.approx(2 + 0.9 + 0.8 + 0.7)
+    # contexts: the mean, not the longest row (each row attends over its own keys)
+    by_l = BatchCostModel({64: {2: {1: 1.0, 16: 1.0}}, 512: {2: {1: 5.0, 16: 5.0}}}, layout=BatchLayout.FLAT)
+    assert split_budget([[0.1], [0.1]], [1, 1], by_l, contexts=[64, 512]).forward_s == pytest.approx(
+        by_l.cost(2, 1, 288))
+
+
 def test_split_budget_prices_the_context_and_the_correction():
     from speculation.goodput import BatchCostModel, CostCorrection, split_budget
 
@@ -430,14 +469,17 @@ def test_split_budget_prices_the_context_and_the_correction():
         BatchCostModel({64: {1: {1: 0.0}}})
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["cheap", "dear"])
-def test_goodput_engine_is_exact_and_reports_the_split(kind):
+def test_goodput_engine_is_exact_and_reports_the_split(kind, layout):
+    from speculation.config import BatchLayout
     from speculation.goodput import BatchCostModel
 
-    model = _model()
+    model = _model(layout)
     target = tiny_target(model)
-    cost = (BatchCostModel({8: {1: {1: 1.0, 64: 1.5}, 4: {1: 1.0, 64: 1.5}}}) if kind == "cheap"
-            else BatchCostModel({8: {1: {1: 1.0, 2: 5.0}, 4: {1: 1.0, 2: 5.0}}}))
+    lay = BatchLayout(layout)
+    cost = (BatchCostModel({8: {1: {1: 1.0, 64: 1.5}, 4: {1: 1.0, 64: 1.5}}}, layout=lay) if kind == "cheap"
+            else BatchCostModel({8: {1: {1: 1.0, 2: 5.0}, 4: {1: 1.0, 2: 5.0}}}, layout=lay))
     cfg = BatchConfig(max_sequences=4, max_tokens_per_sequence=64, goodput=True, step_token_budget=24)
     engine = BatchEngine(target, _factory("oracle", target), cfg, cost_model=cost)
     reqs = [Request(f"r{i}", p, n, GREEDY, stop_at_eos=False) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]

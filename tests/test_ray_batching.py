@@ -177,11 +177,14 @@ def test_call_config_is_validated():
         ShardCallConfig(max_recoveries=-1)
 
 
-def test_shard_batch_step_equals_target_verify_batch_bitwise():
-    """No Ray: two TargetShard objects chained in process vs the in-process batched target."""
-    model = tiny_llama(lm_head_scale=3.0)
+@pytest.mark.parametrize("layout", ["padded", "flat"])
+def test_shard_batch_step_equals_target_verify_batch_bitwise(layout):
+    """No Ray: two TargetShard objects chained in process vs the in-process batched target (both
+    layouts: transformers' padded layers, and the lean loop's flat pass)."""
+    model = tiny_llama(lm_head_scale=3.0, lean=layout == "flat")
     target = tiny_target(model)
     shards = [TargetShard(ShardSpec("tiny", "float32", k, 2, 2 * k, 2 * k + 2), model=model) for k in range(2)]
+    assert target.batch_layout.value == layout and all(s.batch_layout().value == layout for s in shards)
     for s in shards:
         s.new_pool("p", 3, 64)
     pool = target.new_slot_pool(3, 64)

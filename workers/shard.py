@@ -19,9 +19,13 @@ returned by whichever shard owns them.
 
 Continuous batching (:meth:`TargetShard.verify_batch`): the shard holds KV slot pools
 (:class:`~speculation.kv_slots.KVSlotPool` over its own layers, one per engine) and runs ONE
-forward per step over the trees of all live sequences, with the token ids, 4D mask
+forward per step over the trees of all live sequences. Between shards the batch travels as its
+flat rows (``[1, sum T_b, H]``, row b's tokens after row b-1's, no padding). A shard whose layers
+run the lean loop runs them flat, as the in-process target does
+(:func:`~speculation.target.ragged_tree_inputs`: one pass over the real tokens, attention per row
+over the row's own slot); otherwise it pads the rows for transformers' layers with the 4D mask
 ``[B, 1, T, L]`` and positions ``[B, T]`` of :func:`~speculation.target.batch_tree_attention_inputs`
-(the in-process ``TargetModel.verify_batch`` helper). The previous step's KV compactions ride in
+and drops the padding again. The previous step's KV compactions ride in
 the same call (:class:`Compaction`, applied first, idempotent), so the coordinator sends one call
 per shard per step. A slot's prefill is :meth:`forward`'s prefill on a scratch cache, its rows
 copied into the slot (as ``TargetModel.prefill_slot`` does). Every call is counted
@@ -48,12 +52,15 @@ import numpy as np
 import torch
 
 from speculation import assets
-from speculation.config import DType
+from speculation.config import BatchLayout, DType
 from speculation.kv_reserve import reserve_rows
 from speculation.kv_slots import KVSlotPool
 from speculation.lean_forward import LeanLayers
+from speculation.lean_forward import gemm as lean_gemm
+from speculation.output_head import PackedLinear, packed_path_applies
 from speculation.target import (
     batch_tree_attention_inputs,
+    ragged_tree_inputs,
     causal_positions,
     compact_kv,
     eos_token_ids,
@@ -281,6 +288,10 @@ class TargetShard:
     def target_info(self) -> TargetInfo:
         return self.info
 
+    def batch_layout(self) -> BatchLayout:
+        """How :meth:`verify_batch` runs this shard's layers: FLAT through the lean loop, else PADDED."""
+        return BatchLayout.FLAT if self._lean is not None and self._lean.placed() else BatchLayout.PADDED
+
     def parameter_count(self) -> int:
         """Parameters this shard holds (the memory check in tests)."""
         mods = [m for m in (self.layers, self.embed_tokens, self.norm, self.lm_head) if m is not None]
@@ -374,9 +385,9 @@ class TargetShard:
         if self.num_layers in step.aux_layers:
             aux[self.num_layers] = to_wire(hidden[0])
         if step.kind == StepKind.TREE:
-            logits = self.lm_head(hidden)[0]  # [T, V]
+            logits = self._head(hidden[0])  # [T, V]
         else:
-            logits = self.lm_head(hidden[:, -1:, :])[0, -1]  # [V]
+            logits = self._head(hidden[0, -1:])[0]  # [V]
         return to_wire(logits), aux
 
     def _layers(
@@ -482,10 +493,9 @@ class TargetShard:
     ) -> tuple[WireTensor, dict[int, WireTensor]]:
         """ONE forward over the trees of all rows (after applying ``batch.compactions``).
 
-        Row b writes its ``T_b`` tree rows at ``bases[b]..`` of its slot; inputs from
-        :func:`~speculation.target.batch_tree_attention_inputs` (``[B, T]`` ids and positions,
-        ``[B, 1, T, L]`` mask). Returns hidden ``[B, T, H]`` (or, on the last shard, the logits of
-        the valid rows ``[sum T_b, V]``, row-major) and {aux index: ``[sum T_b, H]``}.
+        Row b writes its ``T_b`` tree rows at ``bases[b]..`` of its slot (flat or padded, module
+        docstring). Returns hidden ``[1, sum T_b, H]`` (or, on the last shard, the logits
+        ``[sum T_b, V]``), row-major, and {aux index: ``[sum T_b, H]``}.
         """
         self._calls["verify_batch"] += 1
         pool = self._pool(pool_id)
@@ -497,25 +507,40 @@ class TargetShard:
                     f"shard {self.spec.index}: slot {slot} holds {valid.get(slot)} committed rows, the "
                     f"coordinator expects {base}"
                 )
-        sizes = batch.sizes()
-        cache = pool.batch_cache(list(batch.slots), list(batch.bases), sizes)
+        sizes, bases = batch.sizes(), list(batch.bases)
         tts = [
             TreeTensors(tokens=torch.tensor(np.asarray(t, dtype=np.int64)),  # copies: Ray's arrays are read-only
                         depths=torch.tensor(np.asarray(d, dtype=np.int64)),
                         ancestor_mask=torch.tensor(np.asarray(a, dtype=bool)))
             for t, d, a in batch.trees
         ]
-        ids, mask, positions = batch_tree_attention_inputs(tts, list(batch.bases), cache.plan.kv_len, self.device)
-        hidden = self._input_hidden(ids, hidden_in)  # [B, T, H]
-        hidden, aux_t = self._layers(hidden, mask, positions, cache, batch.aux_layers)
+        ids, positions, rows = ragged_tree_inputs(tts, bases, self.device)  # [1, N] each, N = sum T_b
+        hidden = self._input_hidden(ids, hidden_in)  # [1, N, H]: the wire is always the flat rows
+        if self._lean is not None and self._lean.applies(hidden):  # FLAT: the in-process target's pass
+            cache = pool.batch_cache(list(batch.slots), bases, sizes, flat=True)
+            hidden, aux_t = self._lean.run(hidden, positions, cache, None, tuple(batch.aux_layers), rows)
+        else:  # PADDED: transformers' layers over [B, T_max] rows, then back to the flat rows
+            cache = pool.batch_cache(list(batch.slots), bases, sizes)
+            _, mask, positions = batch_tree_attention_inputs(tts, bases, cache.plan.kv_len, self.device)
+            hidden, aux_t = self._layers(_padded_rows(hidden, sizes), mask, positions, cache, batch.aux_layers)
+            hidden = _valid_rows(hidden, sizes)
+            aux_t = {i: _valid_rows(h, sizes) for i, h in aux_t.items()}
         if self.spec.is_last:
             hidden = self.norm(hidden)
             if self.num_layers in batch.aux_layers:
                 aux_t[self.num_layers] = hidden
-        aux = {i: to_wire(_valid_rows(h, sizes)) for i, h in aux_t.items()}
+        aux = {i: to_wire(h[0]) for i, h in aux_t.items()}  # [N, H] each
         if not self.spec.is_last:
             return to_wire(hidden), aux
-        return to_wire(_valid_rows(self.lm_head(hidden), sizes)), aux  # [sum T_b, V]
+        return to_wire(self._head(hidden[0])), aux  # [N, V], row-major
+
+    def _head(self, rows: torch.Tensor) -> torch.Tensor:
+        """Logits ``[M, V]`` of final-normed ``rows`` ``[M, H]``: the lean loop's GEMM (the in-process
+        target's head call) where that applies, else the head module."""
+        head = self.lm_head
+        if self._lean is not None and isinstance(head, PackedLinear) and packed_path_applies(rows, head.weight, head.packed):
+            return lean_gemm(rows, head.packed, head.bias)
+        return head(rows)
 
     # ------------------------------------------------------------------ KV bookkeeping
     @torch.inference_mode()
@@ -538,8 +563,19 @@ class TargetShard:
 
 
 def _valid_rows(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """``[B, T, D]`` -> ``[sum T_b, D]``: the first ``T_b`` rows of each batch row (padding dropped)."""
-    return torch.cat([x[b, :t] for b, t in enumerate(sizes)], dim=0)
+    """``[B, T, D]`` -> ``[1, sum T_b, D]``: the first ``T_b`` rows of each batch row (padding dropped)."""
+    return torch.cat([x[b, :t] for b, t in enumerate(sizes)], dim=0).unsqueeze(0)
+
+
+def _padded_rows(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``[1, sum T_b, D]`` -> ``[B, max T_b, D]``: row b's tokens first, zeros after (the padding
+    positions read only their slot's row 0, see ``batch_tree_attention_inputs``)."""
+    out = x.new_zeros(len(sizes), max(sizes), x.shape[-1])
+    o = 0
+    for b, t in enumerate(sizes):
+        out[b, :t] = x[0, o : o + t]
+        o += t
+    return out
 
 
 def make_actor_class(**options):
