@@ -31,10 +31,10 @@ Two departures, both for **batch invariance** (a sequence's logits do not depend
 shares the forward, so a batched verify equals the solo one bit for bit where the CPU's GEMM
 kernels allow it; ``tests/test_lean_forward.py`` checks it on the real weights):
 
-* :func:`gemm` never multiplies a single row: oneDNN chooses its kernel by the row count, and on
-  the AVX2 host the one-row kernel sums SmolLM2's fp32 down projection in another order than
-  every multi-row one. A single-token pass (a decode step) therefore equals transformers' forward
-  to rounding, not bit for bit; every multi-token pass still does.
+* :class:`PackedGemm` runs a single row as two where oneDNN's one-row kernel sums in another
+  order than its multi-row ones (on the AVX2 host: SmolLM2's fp32 down projection). A
+  single-token pass (a decode step) therefore equals transformers' forward to rounding, not bit
+  for bit; every multi-token pass still does.
 * A **flat batch** (:class:`RaggedRows`, continuous batching): the rows' tokens are packed into
   one ``[1, sum_b T_b]`` pass, so every projection runs once over the real tokens (no padding
   rows), and attention runs per row over that row's own keys with the exact call a solo forward
@@ -64,20 +64,74 @@ LEAN_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2"})
 """``config.model_type`` values whose decoder layer is the pre-norm block in the module docstring."""
 
 
+_ONE_ROW_DIFFERS: dict[tuple, bool] = {}
+"""(weight shape, dtype, has bias) -> whether a probed one-row product of that kernel differed."""
+
+
+class PackedGemm:
+    """``x W^T + b`` on oneDNN's packed weight ``W`` ``[N, K]``: ``x`` ``[M, K]`` -> ``[M, N]``.
+
+    oneDNN picks its kernel by the row count M. On the AVX2 host of BENCHMARKS.md the one-row
+    kernel of SmolLM2's down projection (``[576, 1536]``, fp32 and bf16) sums in another order
+    than every multi-row one (M = 2 .. 199 all agree), while its other shapes agree at M = 1 too
+    (in bf16 the output's rounding hides the order in most rows, so the probe checks eight). So a
+    token's product could depend on whether it was decoded alone or inside a batch. The object
+    probes that once, at construction (a row alone against the same row among others; a kernel
+    that sums in another order shows it on random data; in bf16 only sometimes, so the finding
+    is shared by every weight of the same shape), and runs a single row as two (the row
+    repeated, the copy dropped) only where a probe found a difference: a batched verify then
+    equals the solo one bit for bit, and the shapes that need no help pay nothing (the two-row
+    call costs about 40 us more per product).
+    """
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed, self.bias = packed, bias
+        self._kernel = (tuple(packed.shape), packed.dtype, bias is not None)
+        _ONE_ROW_DIFFERS[self._kernel] = self._probe() or _ONE_ROW_DIFFERS.get(self._kernel, False)
+
+    @property
+    def one_row_differs(self) -> bool:
+        """Whether a one-row product of this kernel (shape, dtype, bias) was seen to differ from
+        the same row among others, by this or any other weight of the same kernel probed in this
+        process (bf16 hides the difference in some weights' probes, not in all of a model's)."""
+        return _ONE_ROW_DIFFERS[self._kernel]
+
+    def _raw(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    @torch.inference_mode()
+    def _probe(self) -> bool:
+        k = int(self.packed.size(1)) if self.packed.dim() == 2 else None
+        if k is None:
+            return True  # an unexpected layout: always take the safe path
+        x = torch.randn(16, k, generator=torch.Generator().manual_seed(0)).to(self.packed.dtype)
+        many = self._raw(x)
+        # 8 rows: in bf16 the output's rounding hides most order differences (SmolLM2's bf16 down
+        # projection shows one in about half of its layers' probes), hence also the shared record
+        return any(not torch.equal(self._raw(x[i : i + 1])[0], many[i]) for i in range(8))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.one_row_differs:
+            return self._raw(torch.cat([x, x]))[:1]
+        return self._raw(x)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer's tensors: norms' weights and the packed (grouped) projections."""
 
     w_in: torch.Tensor  # [H]
-    qkv: torch.Tensor  # oneDNN-packed [nq + 2 nkv, H] (D-wide heads)
-    qkv_bias: torch.Tensor | None  # [nq + 2 nkv] or None
+    qkv: PackedGemm  # [nq + 2 nkv, H] (D-wide heads), bias [nq + 2 nkv] or None
     qkv_sizes: list[int]
-    wo: torch.Tensor  # packed [H, nq]
-    wo_bias: torch.Tensor | None
+    wo: PackedGemm  # [H, nq]
     w_post: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # packed [2 I, H]
+    gate_up: PackedGemm  # [2 I, H]
     gate_up_sizes: list[int]
-    down: torch.Tensor  # packed [H, I]
+    down: PackedGemm  # [H, I]
 
 
 class RaggedKV(Protocol):
@@ -127,20 +181,6 @@ class LeanOutput:
     hidden: dict[int, torch.Tensor]
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` on oneDNN's packed weight: ``x`` ``[M, K]`` -> ``[M, N]``.
-
-    A single row (M = 1) runs as two (the row repeated, the copy dropped). oneDNN picks its kernel
-    by M, and on the AVX2 host of BENCHMARKS.md the M = 1 kernel of an fp32 ``[576, 1536]`` GEMM
-    (SmolLM2's down projection) sums in another order than every M >= 2 one; with two rows, a
-    token's product is the same whether it is decoded alone or inside any batch, which makes a
-    batched verify equal the solo one bit for bit (the batch-invariance test). It costs nothing
-    measurable: the product reads the whole weight either way."""
-    if x.shape[0] == 1:
-        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), packed, bias, "none", [], "")[:1]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 def _packed(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     if type(module) is PackedLinear:
         return module.packed, module.bias
@@ -178,9 +218,9 @@ def _lean_layer(layer: nn.Module) -> _Layer | None:
         return None
     if not all(type(n) is FusedRMSNorm for n in norms):
         return None
-    return _Layer(w_in=norms[0].weight, qkv=qkv.packed, qkv_bias=qkv.bias, qkv_sizes=list(qkv.sizes),
-                  wo=wo[0], wo_bias=wo[1], w_post=norms[1].weight, gate_up=gu.packed,
-                  gate_up_sizes=list(gu.sizes), down=down[0])
+    return _Layer(w_in=norms[0].weight, qkv=PackedGemm(qkv.packed, qkv.bias), qkv_sizes=list(qkv.sizes),
+                  wo=PackedGemm(*wo), w_post=norms[1].weight, gate_up=PackedGemm(gu.packed, None),
+                  gate_up_sizes=list(gu.sizes), down=PackedGemm(*down))
 
 
 class LeanLayers:
@@ -257,7 +297,7 @@ class LeanLayers:
             if i in wanted:
                 hidden[i] = x
             h = rms_norm(x, layer.w_in, self.eps).view(B * T, H)
-            q, k, v = gemm(h, layer.qkv, layer.qkv_bias).split(layer.qkv_sizes, -1)
+            q, k, v = layer.qkv(h).split(layer.qkv_sizes, -1)
             q = q.view(B, T, nq, D).transpose(1, 2)  # [B, nq, T, D]
             k = k.view(B, T, nkv, D).transpose(1, 2)  # [B, nkv, T, D]
             v = v.view(B, T, nkv, D).transpose(1, 2)
@@ -273,10 +313,10 @@ class LeanLayers:
                     parts.append(self._attend(q[:, :, o : o + t], kb, vb, rows.masks[b], False))
                 a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [1, nq, sum T_b, D]
             a = a.transpose(1, 2).reshape(B * T, nq * D)  # [B T, nq D]
-            x = x + gemm(a, layer.wo, layer.wo_bias).view(B, T, H)
+            x = x + layer.wo(a).view(B, T, H)
             h = rms_norm(x, layer.w_post, self.eps).view(B * T, H)
-            g, u = gemm(h, layer.gate_up, None).split(layer.gate_up_sizes, -1)
-            x = x + gemm(F.silu(g) * u, layer.down, None).view(B, T, H)
+            g, u = layer.gate_up(h).split(layer.gate_up_sizes, -1)
+            x = x + layer.down(F.silu(g) * u).view(B, T, H)
         return x, hidden
 
     def _attend(
@@ -305,13 +345,13 @@ class LeanDecoder:
     change.
     """
 
-    def __init__(self, model: nn.Module, layers: LeanLayers, head: torch.Tensor, head_bias: torch.Tensor | None) -> None:
+    def __init__(self, model: nn.Module, layers: LeanLayers, head: PackedGemm) -> None:
         self.layers = layers
         self.num_layers = len(layers.layers)
         self.embed: torch.Tensor = model.model.embed_tokens.weight  # [V_in, H]
         self.w_norm: torch.Tensor = model.model.norm.weight  # [H]
         self.eps = layers.eps
-        self.head, self.head_bias = head, head_bias
+        self.head = head
 
     @classmethod
     def from_model(cls, model: nn.Module) -> LeanDecoder | None:
@@ -328,7 +368,7 @@ class LeanDecoder:
         layers = LeanLayers.from_modules(cfg, dict(enumerate(inner.layers)), inner.rotary_emb)
         if layers is None:
             return None
-        return cls(model, layers, head[0], head[1])
+        return cls(model, layers, PackedGemm(*head))
 
     def applies(self) -> bool:
         """Whether the lean forward may run now (see :meth:`LeanLayers.applies`)."""
@@ -362,5 +402,5 @@ class LeanDecoder:
             hidden[self.num_layers] = x
         rows = x[:, -1:] if keep_last else x  # [B, T_keep, H]
         H = x.shape[-1]
-        logits = gemm(rows.reshape(-1, H), self.head, self.head_bias)
+        logits = self.head(rows.reshape(-1, H))
         return LeanOutput(logits=logits.view(x.shape[0], rows.shape[1], -1), hidden=hidden)

@@ -47,7 +47,8 @@ def _load(dtype, request) -> tuple:
 def test_lean_passes_equal_the_transformers_forward_bit_for_bit(dtype, request):
     """Multi-token passes (prefill, tree verify, after a commit that moves rows) are transformers'
     forward bit for bit; single-token passes (decode, a root-only tree) run every GEMM on two rows
-    (:func:`speculation.lean_forward.gemm`, for batch invariance), so they equal it to rounding."""
+    where the one-row kernel sums differently (:class:`speculation.lean_forward.PackedGemm`, for
+    batch invariance), so they equal it to rounding."""
     model, tok = _load(dtype, request)
     lean, plain = _twins(model, tok)
     prompt = assets.encode_turn(tok, [], "Name three uses of a paperclip.")
@@ -96,29 +97,32 @@ def test_lean_passes_equal_the_transformers_forward_bit_for_bit(dtype, request):
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Equal to rounding: fp32 within 1e-4; bf16 (8-bit mantissa, compounded over 30 layers) within
-    3% in relative L2 norm (attending to a wrong row or under a wrong mask moves it by far more)."""
+    """Equal to rounding: fp32 within 1e-4; bf16 (8-bit mantissa, compounded over 30 layers)
+    within 10% in relative L2 norm. Measured on SmolLM2: rounding differences reach about 5%
+    (transformers' padded batch against its own solo pass: 4.4%), a RoPE position off by one
+    moves the logits by 40%, one different prompt token by 150%."""
     if a.dtype == torch.float32:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         return
     rel = float((a.float() - b.float()).norm() / b.float().norm())
-    assert rel <= 0.03, f"relative L2 difference {rel:.4f}"
+    assert rel <= 0.10, f"relative L2 difference {rel:.4f}"
 
 
 def _gemms_batch_invariant(model) -> bool:
     """Whether oneDNN's packed GEMMs give every row the same bits at M = 2 .. 40 as inside a pass of
     64 rows, for each projection shape of ``model`` (a property of the CPU's kernels: true on the
-    AVX2 host of BENCHMARKS.md; M = 1 is never run, see ``lean_forward.gemm``)."""
+    AVX2 host of BENCHMARKS.md; a one-row product that differs is run on two rows, see
+    ``lean_forward.PackedGemm``)."""
     from speculation.lean_forward import LeanDecoder
 
     lean = LeanDecoder.from_model(model)
     layer = next(iter(lean.layers.layers.values()))
     gen = torch.Generator().manual_seed(0)
-    for w, k in ((layer.qkv, 576), (layer.wo, 576), (layer.gate_up, 576), (layer.down, 1536), (lean.head, 576)):
+    for g, k in ((layer.qkv, 576), (layer.wo, 576), (layer.gate_up, 576), (layer.down, 1536), (lean.head, 576)):
         x = torch.randn(64, k, generator=gen).to(lean.layers.dtype)
-        full = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        for m in (2, 3, 5, 17, 40):
-            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x[3 : 3 + m], w, None, "none", [], ""), full[3 : 3 + m]):
+        full = g(x)
+        for m in (1, 2, 3, 5, 17, 40):
+            if not torch.equal(g(x[3 : 3 + m]), full[3 : 3 + m]):
                 return False
     return True
 

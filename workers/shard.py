@@ -55,8 +55,7 @@ from speculation import assets
 from speculation.config import BatchLayout, DType
 from speculation.kv_reserve import reserve_rows
 from speculation.kv_slots import KVSlotPool
-from speculation.lean_forward import LeanLayers
-from speculation.lean_forward import gemm as lean_gemm
+from speculation.lean_forward import LeanLayers, PackedGemm
 from speculation.output_head import PackedLinear, packed_path_applies
 from speculation.target import (
     batch_tree_attention_inputs,
@@ -267,6 +266,8 @@ class TargetShard:
         self._lean = LeanLayers.from_modules(
             self.config, {i: self.layers[str(i)] for i in range(spec.start, spec.end)}, self.rotary_emb
         )
+        lean_head = self._lean is not None and isinstance(self.lm_head, PackedLinear)
+        self._lean_head = PackedGemm(self.lm_head.packed, self.lm_head.bias) if lean_head else None
         self._seqs: OrderedDict[str, _Sequence] = OrderedDict()
         self._pools: dict[str, KVSlotPool] = {}
         self._valid: dict[str, dict[int, int]] = {}  # pool -> slot -> committed rows
@@ -537,10 +538,10 @@ class TargetShard:
     def _head(self, rows: torch.Tensor) -> torch.Tensor:
         """Logits ``[M, V]`` of final-normed ``rows`` ``[M, H]``: the lean loop's GEMM (the in-process
         target's head call) where that applies, else the head module."""
-        head = self.lm_head
-        if self._lean is not None and isinstance(head, PackedLinear) and packed_path_applies(rows, head.weight, head.packed):
-            return lean_gemm(rows, head.packed, head.bias)
-        return head(rows)
+        head = self._lean_head
+        if head is not None and packed_path_applies(rows, self.lm_head.weight, head.packed):
+            return head(rows)
+        return self.lm_head(rows)
 
     # ------------------------------------------------------------------ KV bookkeeping
     @torch.inference_mode()
