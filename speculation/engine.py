@@ -47,6 +47,7 @@ from speculation.goodput import (
     CostCorrection,
     Split,
     exploration_cap,
+    HostOverhead,
     measure_batch_cost,
     split_budget,
 )
@@ -529,6 +530,9 @@ class BatchEngine:
         """Measured / predicted forward seconds (EMA) that rescales the goodput rule's c(B, t, L)."""
         self.drafting_s = 0.0
         """EMA of a drafted step's drafting seconds (all sequences): what the pre-drafting check prices."""
+        self.host_overhead = HostOverhead()
+        """Host seconds of a step outside forward and drafting, with and without drafts verified:
+        what verifying drafts adds is priced by the goodput rule (``verify_overhead_s``)."""
         self._skips_since_draft = 0
         self._probe_every = 1
         """Steps skipped on expected sizes before a probe (1, 2, 4, ... up to :attr:`MAX_PROBE_EVERY`)."""
@@ -665,7 +669,7 @@ class BatchEngine:
         return split_budget([lv.ranks.estimate(n) for lv, n in zip(lives, room)], room, self.cost_model,
                             budget=self.config.step_token_budget, drafting_s=drafting_s,
                             contexts=[lv.state.length for lv in lives], correction=self.cost_correction.factor,
-                            drafting_spent=spent)
+                            drafting_spent=spent, verify_overhead_s=self.host_overhead.extra_s)
 
     MAX_PROBE_EVERY = 64
 
@@ -711,6 +715,7 @@ class BatchEngine:
             self._probe_every = min(2 * self._probe_every, self.MAX_PROBE_EVERY)
 
     def _verify_step(self, prefill_tokens: dict[str, list[int]]) -> list[SequenceUpdate]:
+        t_step = time.perf_counter()
         lives = list(self._live.values())
         caps = self._tree_caps(lives)
         check = self._drafting_check(lives, caps) if self._goodput else DraftingCheck.DRAFT
@@ -731,6 +736,7 @@ class BatchEngine:
                            "goodput_predicted_forward_s": split.forward_s,
                            "goodput_row_tokens": float(split.row_tokens),
                            "goodput_cost_correction": self.cost_correction.factor,
+                           "goodput_verify_overhead_s": self.host_overhead.extra_s,
                            "goodput_drafting_skipped": float(skip),
                            "goodput_drafting_probe": float(check is DraftingCheck.PROBE)}
         self.last_split = {lv.request.request_id: len(t) for lv, t in zip(lives, trees)}
@@ -756,6 +762,8 @@ class BatchEngine:
                 del self._live[rid]
                 self._retired[rid] = lv.seq
             updates.append(SequenceUpdate(rid, prefill_tokens.get(rid, []) + kept, lv.seq.finished, rec))
+        host_s = time.perf_counter() - t_step - forward_s - sum(p[2] for p in proposed)
+        self.host_overhead.observe(any(len(t) > 1 for t in trees), max(0.0, host_s))
         return updates
 
     # ------------------------------------------------------------------ convenience

@@ -30,7 +30,10 @@ pays for ``B * 11`` query rows. The rule picks::
                B + sum_b n_b <= step_token_budget
 
 where ``k`` is the online correction (:class:`CostCorrection`: the EMA of measured over predicted
-forward seconds) and ``d`` the step's drafting seconds. For a fixed row size t every sequence may
+forward seconds) and ``d`` the step's drafting seconds plus, for a split that verifies any draft,
+the host seconds such a step spends beyond a vanilla one outside the forward (acceptance over
+the trees, KV row moves, the drafters' observation: :class:`HostOverhead`, measured live; on
+the fp32 host about 3 ms at B = 8, 5% of the step, enough to turn a marginal draft node). For a fixed row size t every sequence may
 take up to ``t - 1`` drafts at no extra forward cost (the padding is paid either way), and within
 a token budget the slots go to the largest ``q_b[r]`` with ``r < t - 1`` (each q_b is
 non-increasing, so global descending order respects every sequence's rank order). The rule scans
@@ -145,6 +148,29 @@ class CostCorrection:
         self.observed += 1
 
 
+class HostOverhead:
+    """Host seconds of a step outside the target forward and the drafting, as an EMA for steps
+    that verified draft nodes and for steps that did not; :attr:`extra_s` is what verifying
+    drafts adds (never negative). Until a step without drafts is seen (an engine whose every step
+    drafts), a vanilla step's host time counts as 0: the whole host time of a drafted step is
+    charged to its drafts, which errs on the side of not speculating (by about 1 ms at B = 8)."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"HostOverhead decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.seconds: dict[bool, float | None] = {True: None, False: None}
+
+    def observe(self, drafted: bool, seconds: float) -> None:
+        prev = self.seconds[drafted]
+        self.seconds[drafted] = seconds if prev is None else self.decay * prev + (1 - self.decay) * seconds
+
+    @property
+    def extra_s(self) -> float:
+        d, v = self.seconds[True], self.seconds[False]
+        return 0.0 if d is None else max(0.0, d - (v or 0.0))
+
+
 def exploration_cap(explored: int) -> int:
     """Most draft ranks a sequence may verify when ``explored`` leading ranks have been verified:
     ``2 * explored + 1`` (ranks open by doubling: 1, 3, 7, 15, ...).
@@ -189,12 +215,18 @@ def split_budget(
     contexts: Sequence[int] | None = None,
     correction: float = 1.0,
     drafting_spent: bool = True,
+    verify_overhead_s: float = 0.0,
 ) -> Split:
     """Draft nodes per sequence maximising G (module docstring). ``estimates[b]``: q_b, non-increasing;
     ``caps[b]``: most draft nodes sequence b can verify; ``budget``: most tree tokens in total;
     ``contexts[b]``: sequence b's committed KV length (0 when None); ``correction``: ``k``;
     ``drafting_spent``: whether ``drafting_s`` is already spent (every candidate pays it) or still
-    to be decided (the pre-drafting check: the vanilla split ``t = 1`` would not pay it)."""
+    to be decided (the pre-drafting check: the vanilla split ``t = 1`` would not pay it);
+    ``verify_overhead_s``: host seconds a step that verifies drafts spends beyond a vanilla step
+    outside the forward (tree acceptance, KV row moves, drafter observation; measured by the
+    engine), paid by every candidate with a draft node, spent drafting or not."""
+    if verify_overhead_s < 0:
+        raise ValueError(f"split_budget verify_overhead_s must be >= 0, got {verify_overhead_s}")
     B = len(estimates)
     if B == 0 or len(caps) != B or (contexts is not None and len(contexts) != B):
         raise ValueError("split_budget needs one estimate, one cap (and one context) per sequence, at least one")
@@ -205,7 +237,7 @@ def split_budget(
     room = None if budget is None else max(0, budget - B)
     if cost.layout is BatchLayout.FLAT:
         mean_l = statistics.fmean(contexts) if contexts is not None else 0.0
-        return _split_flat(ranked, B, room, cost, mean_l, drafting_s, correction, drafting_spent)
+        return _split_flat(ranked, B, room, cost, mean_l, drafting_s, correction, drafting_spent, verify_overhead_s)
     L = max(contexts) if contexts is not None else 0
     # prefix[b][n] = sum of sequence b's n best q's
     prefix = [list(itertools.accumulate(q, initial=0.0)) for q in qs]
@@ -225,7 +257,7 @@ def split_budget(
                     taken += 1
         rows = 1 + max(drafts)
         fwd = correction * cost.cost(B, rows, L)
-        d = drafting_s if drafting_spent or rows > 1 else 0.0
+        d = (drafting_s if drafting_spent or rows > 1 else 0.0) + (verify_overhead_s if rows > 1 else 0.0)
         cand = Split(drafts, acc, fwd + d, fwd, rows)
         if best is None or cand.tokens_per_s > best.tokens_per_s:
             best = cand
@@ -242,6 +274,7 @@ def _split_flat(
     drafting_s: float,
     correction: float,
     drafting_spent: bool,
+    verify_overhead_s: float,
 ) -> Split:
     """:func:`split_budget` for a FLAT step: the D largest q's (``ranked``: (q, rank, sequence),
     descending) for the D in 0 .. room that maximises G(D) (module docstring)."""
@@ -254,7 +287,7 @@ def _split_flat(
             drafts[b] += 1
             acc += q
         fwd = correction * cost.cost(B, 1 + D / B, context)
-        d = drafting_s if drafting_spent or D else 0.0
+        d = (drafting_s if drafting_spent or D else 0.0) + (verify_overhead_s if D else 0.0)
         if best is None or acc / (fwd + d) > best.tokens_per_s:
             best = Split(list(drafts), acc, fwd + d, fwd, 1 + max(drafts))
     assert best is not None

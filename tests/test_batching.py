@@ -445,6 +445,30 @@ def test_split_budget_prices_a_flat_batch_by_its_real_tokens():
         by_l.cost(2, 1, 288))
 
 
+def test_split_budget_prices_the_host_overhead_of_verifying_drafts():
+    """A step that verifies drafts spends host time a vanilla step does not (acceptance over the
+    trees, row moves, the drafters' observation): priced for every candidate with a draft node,
+    it turns a marginal draft off; the engine measures it (HostOverhead)."""
+    from speculation.config import BatchLayout
+    from speculation.goodput import BatchCostModel, HostOverhead, split_budget
+
+    free = BatchCostModel({64: {8: {1: 0.060, 2: 0.062}}}, layout=BatchLayout.FLAT)  # drafts nearly free
+    q = [[0.2]] + [[]] * 7  # one sequence, one node at 20%
+    assert split_budget(q, [1] + [0] * 7, free).drafts[0] == 1  # 8.2 tokens for 60.25 ms beats 8 for 60
+    s = split_budget(q, [1] + [0] * 7, free, verify_overhead_s=0.003)
+    assert s.drafts == [0] * 8 and s.predicted_s == pytest.approx(0.060)  # 8.2 / 63.25 ms < 8 / 60 ms
+    with pytest.raises(ValueError, match="verify_overhead_s must be >= 0"):
+        split_budget(q, [1] + [0] * 7, free, verify_overhead_s=-1.0)
+    h = HostOverhead(decay=0.5)
+    assert h.extra_s == 0.0
+    h.observe(True, 0.004)
+    assert h.extra_s == pytest.approx(0.004)  # no vanilla step seen yet: all of it is charged to drafts
+    h.observe(False, 0.001)
+    assert h.extra_s == pytest.approx(0.003)
+    h.observe(False, 0.009)
+    assert h.extra_s == 0.0  # never negative
+
+
 def test_split_budget_prices_the_context_and_the_correction():
     from speculation.goodput import BatchCostModel, CostCorrection, split_budget
 
