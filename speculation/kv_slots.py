@@ -207,11 +207,6 @@ class SlotBatchCache(Cache):
         self.pool = pool
 
     # ------------------------------------------------------------------ flat (ragged) rows
-    @property
-    def row_sizes(self) -> list[int]:
-        """``T_b`` per batch row: the flat layout's segment lengths, in order."""
-        return self.plan.sizes
-
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
         """Scatter layer ``layer_idx``'s new rows (flat ``[1, H_kv, sum T_b, D]``) into the slots."""
         self.layers[layer_idx].write(key_states, value_states)

@@ -59,8 +59,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 def _model(layout: str = "padded"):
     """The tiny Llama; ``"flat"``: the same weights grouped and packed (the lean loop, FLAT batches)."""
-    model = shared_tiny_llama(vocab_size=VOCAB, seed=42, lean=layout == "flat")
-    return model
+    return shared_tiny_llama(vocab_size=VOCAB, seed=42, lean=layout == "flat")
 
 
 LAYOUTS = ["padded", "flat"]

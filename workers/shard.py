@@ -515,9 +515,10 @@ class TargetShard:
                         ancestor_mask=torch.tensor(np.asarray(a, dtype=bool)))
             for t, d, a in batch.trees
         ]
-        ids, positions, rows = ragged_tree_inputs(tts, bases, self.device)  # [1, N] each, N = sum T_b
+        ids = torch.cat([tt.tokens for tt in tts]).view(1, -1)  # [1, N], N = sum T_b
         hidden = self._input_hidden(ids, hidden_in)  # [1, N, H]: the wire is always the flat rows
         if self._lean is not None and self._lean.applies(hidden):  # FLAT: the in-process target's pass
+            _, positions, rows = ragged_tree_inputs(tts, bases, self.device)
             cache = pool.batch_cache(list(batch.slots), bases, sizes, flat=True)
             hidden, aux_t = self._lean.run(hidden, positions, cache, None, tuple(batch.aux_layers), rows)
         else:  # PADDED: transformers' layers over [B, T_max] rows, then back to the flat rows
