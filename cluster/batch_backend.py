@@ -203,6 +203,9 @@ class RayBatchTarget(RayTargetBackend):
         flat = all(layout is BatchLayout.FLAT for layout in ray.get(layouts))
         self.batch_layout = BatchLayout.FLAT if flat else BatchLayout.PADDED
         """How the shards lay a batched step out (what the goodput rule's cost model assumes)."""
+        self.folds_prefills = False
+        """Arriving prompts are prefilled in their own pipeline pass (``prefill_slot``), not inside
+        the batched step: the shards' step carries tree rows only."""
         self._stale: set[int] = set()  # restarted shards whose pools are not re-prefilled yet
         self.recoveries = 0
         """Shard restarts recovered so far (pools recreated and live sequences re-prefilled)."""

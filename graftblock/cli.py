@@ -177,7 +177,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 cbar.update(done - cbar.n)
 
             result["concurrency"] = run_concurrency(cfg, batch_target, questions, levels, method_configs,
-                                                    goodput=args.goodput, progress=cprogress)
+                                                    goodput=args.goodput, progress=cprogress,
+                                                    fold_prefills=args.fold_prefills)
             cbar.close()
     if args.ray:
         result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
@@ -302,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", default=None,
                    help="e.g. 1,4,8: also run closed-loop clients through the batched engine at each level")
     b.add_argument("--goodput", action="store_true", help="--concurrency: split tree tokens by the goodput rule")
+    b.add_argument("--fold-prefills", action=argparse.BooleanOptionalAction, default=True,
+                   help="--concurrency: prefill arriving prompts inside the batched step's forward where the "
+                        "target allows it (the lean loop's flat batch); --no-fold-prefills gives each its own forward")
     b.add_argument("--device", default="cpu", help="cpu | cuda (the in-process target and drafters)")
     b.add_argument("--json", required=True, help="where to write the result JSON")
     _add_tracking_args(b)

@@ -746,6 +746,11 @@ class BatchConfig:
     (:mod:`speculation.goodput`) instead of giving every sequence its full tree."""
     max_waiting: int = 4096
     """Requests queued for a slot at once; ``add`` refuses more. Range [0, 1048576]."""
+    fold_prefills: bool = True
+    """Prefill arriving requests inside the step's batched forward (one more causal row of the
+    flat pass) where the target supports it (``TargetModel.folds_prefills``: the FLAT layout),
+    instead of one forward per arriving prompt before the step. The outputs are the same bits
+    either way (tested); False is the A/B baseline."""
 
     def __post_init__(self) -> None:
         o = "batch"
@@ -757,3 +762,5 @@ class BatchConfig:
         if not isinstance(self.goodput, bool):
             raise ConfigError(f"{o}.goodput must be true or false, got {self.goodput!r}")
         _check_int(o, "max_waiting", self.max_waiting, 0, 1 << 20)
+        if not isinstance(self.fold_prefills, bool):
+            raise ConfigError(f"{o}.fold_prefills must be true or false, got {self.fold_prefills!r}")

@@ -51,7 +51,7 @@ from speculation.goodput import (
     measure_batch_cost,
     split_budget,
 )
-from speculation.target import ContextLengthError, SlotState, TargetModel, TreeForward
+from speculation.target import ContextLengthError, PrefillForward, SlotState, TargetModel, TreeForward
 from speculation.tree import DraftTree, NodeSource
 
 StateT = TypeVar("StateT")
@@ -472,13 +472,19 @@ class BatchEngine:
     """Continuous batching: N live sequences, each with its own drafter, sampling and limits,
     verified together in ONE target forward per step.
 
-    A step (1) admits waiting requests into free KV slots (prefill per sequence, first token),
-    (2) drafts one tree per live sequence (the root alone for vanilla; drafters sharing a network
-    run one forward per drafting stage for all of them, :func:`_propose_batch`), cut to the sequence's
-    share of the step's tree-token budget and to the rows left in its slot, (3) verifies every
-    tree in one :meth:`~speculation.target.TargetModel.verify_batch` forward, (4) accepts, commits
-    and observes per sequence (the same :class:`_Sequence` logic as the solo loops), and
-    (5) frees the slots of sequences that ended. Requests join and leave only between steps.
+    A step (1) admits waiting requests into free KV slots, (2) drafts one tree per live sequence
+    (the root alone for vanilla; drafters sharing a network run one forward per drafting stage for
+    all of them, :func:`_propose_batch`), cut to the sequence's share of the step's tree-token
+    budget and to the rows left in its slot, (3) verifies every tree in one
+    :meth:`~speculation.target.TargetModel.verify_batch` forward, (4) accepts, commits and
+    observes per sequence (the same :class:`_Sequence` logic as the solo loops), and (5) frees
+    the slots of sequences that ended. Requests join and leave only between steps.
+
+    Admitted prompts are prefilled inside the step's forward (one more causal row of the flat
+    pass, :meth:`~speculation.target.TargetModel.step_batch`; their first token comes from it, and
+    they verify from the next step on) where the target ``folds_prefills`` and
+    ``config.fold_prefills`` is on; otherwise each in its own forward before the step, verifying
+    in that same step. Either way a sequence's tokens are the same bits (tested).
 
     Synchronous and single-threaded: call ``add``/``abort``/``step`` from one thread.
 
@@ -615,24 +621,43 @@ class BatchEngine:
         self._aborted = []
         self._retired, self._aborted_seqs = self._aborted_seqs, {}
         prefill_tokens: dict[str, list[int]] = {}
+        arriving: list[_Live] = []
         while self._waiting and self.pool.free:
             request = self._waiting.popleft()
+            if self._folds:
+                arriving.append(self._arrive(request))
+                continue
             kept = self._admit(request)
             if request.request_id in self._live:
                 prefill_tokens[request.request_id] = kept
             else:  # ended on its first token
                 updates.append(SequenceUpdate(request.request_id, kept, self._retired[request.request_id].finished,
                                               None))
-        if self._live:
-            updates.extend(self._verify_step(prefill_tokens))
+        if self._live or arriving:
+            updates.extend(self._verify_step(prefill_tokens, arriving))
         self.steps_run += 1
         return updates
 
-    def _admit(self, request: Request) -> list[int]:
+    @property
+    def _folds(self) -> bool:
+        """Whether arriving prompts are prefilled inside the step's forward (``config.fold_prefills``
+        and a target whose ``folds_prefills`` says it can)."""
+        return self.config.fold_prefills and bool(getattr(self.target, "folds_prefills", False))
+
+    def _new_sequence(self, request: Request) -> _Sequence:
         drafter = self.drafter_factory() if self.drafter_factory is not None else None
         stop = request.stop_token_ids | (self.target.eos_token_ids if request.stop_at_eos else frozenset())
-        seq = _Sequence(list(request.prompt_ids), request.max_new_tokens, request.sampling, stop, drafter,
-                        self.feedback)
+        return _Sequence(list(request.prompt_ids), request.max_new_tokens, request.sampling, stop, drafter,
+                         self.feedback)
+
+    def _arrive(self, request: Request) -> _Live:
+        """A request whose prompt this step's forward prefills (into an empty slot)."""
+        seq = self._new_sequence(request)
+        return _Live(request, seq, self.target.empty_slot(self.pool), self.pooled_ranks.copy())
+
+    def _admit(self, request: Request) -> list[int]:
+        """Prefill ``request`` in its own forward (the unfolded path), choose its first token."""
+        seq = self._new_sequence(request)
         state, logits, prompt_aux = self.target.prefill_slot(self.pool, seq.prompt_ids, need_aux=seq.needs_aux)
         try:
             kept = seq.start(logits, prompt_aux)
@@ -714,17 +739,19 @@ class BatchEngine:
         elif check is DraftingCheck.PROBE:
             self._probe_every = min(2 * self._probe_every, self.MAX_PROBE_EVERY)
 
-    def _verify_step(self, prefill_tokens: dict[str, list[int]]) -> list[SequenceUpdate]:
+    def _verify_step(self, prefill_tokens: dict[str, list[int]], arriving: list[_Live]) -> list[SequenceUpdate]:
+        """Draft, split, ONE forward (every live tree, and the ``arriving`` prompts' prefills when
+        they fold in), accept and commit per sequence, then start the arrived sequences."""
         t_step = time.perf_counter()
         lives = list(self._live.values())
         caps = self._tree_caps(lives)
-        check = self._drafting_check(lives, caps) if self._goodput else DraftingCheck.DRAFT
+        check = self._drafting_check(lives, caps) if self._goodput and lives else DraftingCheck.DRAFT
         skip = check is DraftingCheck.SKIP
         proposed = _propose_batch([lv.seq for lv in lives], caps, skip=skip)
         trees = [p[0] for p in proposed]
         split_stats: dict[str, float] = {}
         split: Split | None = None
-        if self._goodput:
+        if self._goodput and lives:
             assert self.cost_model is not None
             split = self._split(lives, [len(t) - 1 for t in trees], sum(p[2] for p in proposed))
             if not skip and any(p[1] is not None for p in proposed):
@@ -740,14 +767,26 @@ class BatchEngine:
                            "goodput_drafting_skipped": float(skip),
                            "goodput_drafting_probe": float(check is DraftingCheck.PROBE)}
         self.last_split = {lv.request.request_id: len(t) for lv, t in zip(lives, trees)}
-        need_aux = any(lv.seq.needs_aux for lv in lives)
+        need_aux = any(lv.seq.needs_aux for lv in (*lives, *arriving))
         tb = time.perf_counter()
-        fwds = self.target.verify_batch([lv.state for lv in lives], trees, need_aux=need_aux)
+        starts = []
+        try:
+            if arriving:
+                prompts = [(a.state, a.seq.prompt_ids) for a in arriving]
+                fwds, starts = self.target.step_batch([lv.state for lv in lives], trees, prompts, need_aux=need_aux)
+            else:
+                fwds = self.target.verify_batch([lv.state for lv in lives], trees, need_aux=need_aux)
+        except BaseException:  # the arriving requests wait again, first in line; nothing is lost
+            for a in reversed(arriving):
+                self.target.release_slot(a.state)
+                self._waiting.appendleft(a.request)
+            raise
         forward_s = time.perf_counter() - tb
-        if split is not None:  # what the grid predicted (uncorrected) against what the forward took
+        prompt_tokens = sum(len(a.seq.prompt_ids) for a in arriving)
+        if split is not None and not arriving:  # the grid's prediction (uncorrected) against the forward
             self.cost_correction.observe(split.forward_s / self.cost_correction.factor, forward_s)
         stats = {"batch_size": float(len(lives)), "batch_tree_tokens": float(sum(len(t) for t in trees)),
-                 **split_stats}
+                 "batch_prefill_tokens": float(prompt_tokens), **split_stats}
         updates = []
         for lv, cap, tree, (_, proposal, draft_s), fwd in zip(lives, caps, trees, proposed, fwds):
             commit = functools.partial(self.target.commit_slot, lv.state)
@@ -763,8 +802,27 @@ class BatchEngine:
                 self._retired[rid] = lv.seq
             updates.append(SequenceUpdate(rid, prefill_tokens.get(rid, []) + kept, lv.seq.finished, rec))
         host_s = time.perf_counter() - t_step - forward_s - sum(p[2] for p in proposed)
-        self.host_overhead.observe(any(len(t) > 1 for t in trees), max(0.0, host_s))
+        if lives:
+            self.host_overhead.observe(any(len(t) > 1 for t in trees), max(0.0, host_s))
+        for a, start in zip(arriving, starts):
+            updates.append(self._start(a, start))
         return updates
+
+    def _start(self, arrived: _Live, start: PrefillForward) -> SequenceUpdate:
+        """After its prompt was prefilled in the step's forward: the first token, the drafter's
+        ``begin``; the sequence goes live, or retires at once (its first token ended it)."""
+        seq, rid = arrived.seq, arrived.request.request_id
+        try:
+            kept = seq.start(start.logits, start.aux_hidden if seq.needs_aux else None)
+        except BaseException:
+            self.target.release_slot(arrived.state)
+            raise
+        if seq.finished is not None:
+            self.target.release_slot(arrived.state)
+            self._retired[rid] = seq
+        else:
+            self._live[rid] = arrived
+        return SequenceUpdate(rid, kept, seq.finished, None)
 
     # ------------------------------------------------------------------ convenience
     def run(self, requests: list[Request]) -> dict[str, GenerationResult]:

@@ -39,8 +39,8 @@ class SlotsExhaustedError(RuntimeError):
 class KVSlotPool:
     """``max_sequences`` KV slots of ``max_tokens`` rows for every layer of one model.
 
-    Tensors are allocated on the first :meth:`load_prefix` (their head count, head size, dtype and
-    device are taken from the first prefill's cache), once, at full size.
+    Tensors are allocated once, at full size: on the first :meth:`load_prefix` (head count, head
+    size, dtype and device taken from the first prefill's cache) or an explicit :meth:`allocate`.
 
     ``first_layer``: the model layer index of the pool's layer 0. A pipeline shard holding model
     layers ``[first_layer, first_layer + num_layers)`` keeps only those; its batch cache answers
@@ -90,17 +90,22 @@ class KVSlotPool:
         n = int(layers[0].keys.shape[-2])
         if n > self.max_tokens:
             raise ValueError(f"prefix of {n} tokens exceeds the slot size {self.max_tokens}")
-        if not self.keys:
-            for layer in layers:
-                _, h, _, d = layer.keys.shape
-                shape = (self.max_sequences, h, self.max_tokens, d)
-                # zeros, not empty: masked stale rows must be finite (0 * NaN would poison P @ V)
-                self.keys.append(torch.zeros(shape, dtype=layer.keys.dtype, device=layer.keys.device))
-                self.values.append(torch.zeros(shape, dtype=layer.values.dtype, device=layer.values.device))
+        _, h, _, d = layers[0].keys.shape
+        self.allocate(h, d, layers[0].keys.dtype, layers[0].keys.device)
         for k, v, layer in zip(self.keys, self.values, layers):
             k[slot, :, :n] = layer.keys[0]
             v[slot, :, :n] = layer.values[0]
         return n
+
+    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate every layer's ``[S, H_kv, L, D]`` keys and values once (later calls: no-op)."""
+        if self.keys:
+            return
+        shape = (self.max_sequences, kv_heads, self.max_tokens, head_dim)
+        for _ in range(self.num_layers):
+            # zeros, not empty: masked stale rows must be finite (0 * NaN would poison P @ V)
+            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
 
     @torch.inference_mode()
     def compact(self, slot: int, base: int, accepted: list[int]) -> None:

@@ -151,7 +151,9 @@ class RaggedRows:
 
     ``masks[b]``: row b's own attention mask ``[1, 1, T_b, n_b + T_b]`` bool, exactly what a solo
     forward of that row takes (:func:`~speculation.target.tree_attention_inputs`), or None where the
-    solo forward has none (a one-token row attends to all its keys)."""
+    solo forward has none: a one-token row attends to all its keys, and a row of T_b > 1 tokens
+    without a mask is a **prefill** of an empty slot (``n_b = 0``), causal over its own tokens
+    (SDPA's ``is_causal``, the solo prefill's call)."""
 
     sizes: tuple[int, ...]
     masks: tuple[torch.Tensor | None, ...]
@@ -160,9 +162,9 @@ class RaggedRows:
         if not self.sizes or len(self.masks) != len(self.sizes) or min(self.sizes) < 1:
             raise ValueError("RaggedRows needs one mask (or None) per row and every row >= 1 token")
         for t, m in zip(self.sizes, self.masks):
-            if (m is None) != (t == 1) or (m is not None and m.shape[2] != t):
-                raise ValueError("RaggedRows: a row of T > 1 tokens needs its [1, 1, T, n + T] mask, a "
-                                 "one-token row none")
+            if m is not None and (t == 1 or m.dim() != 4 or m.shape[2] != t):
+                raise ValueError("RaggedRows: a tree row of T > 1 tokens takes its [1, 1, T, n + T] mask; a "
+                                 "one-token row or a prefill row takes None")
 
     @property
     def offsets(self) -> list[int]:
@@ -310,7 +312,8 @@ class LeanLayers:
                 parts = []
                 for b, (o, t) in enumerate(zip(offsets, rows.sizes)):
                     kb, vb = cache.row_kv(i, b)  # [1, nkv, n_b + T_b, D]
-                    parts.append(self._attend(q[:, :, o : o + t], kb, vb, rows.masks[b], False))
+                    m = rows.masks[b]  # None and t > 1: a prefill row (causal over its empty slot)
+                    parts.append(self._attend(q[:, :, o : o + t], kb, vb, m, m is None and t > 1))
                 a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [1, nq, sum T_b, D]
             a = a.transpose(1, 2).reshape(B * T, nq * D)  # [B T, nq D]
             x = x + layer.wo(a).view(B, T, H)
@@ -387,11 +390,14 @@ class LeanDecoder:
         keep_last: bool = False,
         hidden_at: tuple[int, ...] = (),
         rows: RaggedRows | None = None,
+        keep: torch.Tensor | None = None,
     ) -> LeanOutput:
         """One forward of ``input_ids`` ``[B, T]`` at RoPE ``positions`` ``[B, T]`` over ``cache``
         (``mask`` and ``rows``, a flat batch, as in :meth:`LeanLayers.run`).
 
         ``keep_last``: logits of the last row only (``[B, 1, V]``), else every row (``[B, T, V]``).
+        ``keep``: instead, the logits of these token indices only (``[K]`` int64 into T:
+        ``[B, K, V]``; a flat batch's tree rows and its prefill rows' last tokens).
         ``hidden_at``: transformers ``hidden_states`` indices to return (0..L).
         """
         x = F.embedding(input_ids, self.embed)  # [B, T, H]
@@ -399,7 +405,10 @@ class LeanDecoder:
         x = rms_norm(x, self.w_norm, self.eps)
         if self.num_layers in hidden_at:
             hidden[self.num_layers] = x
-        kept = x[:, -1:] if keep_last else x  # [B, T_keep, H]
+        if keep is not None:
+            kept = x.index_select(1, keep)  # [B, K, H]
+        else:
+            kept = x[:, -1:] if keep_last else x  # [B, T_keep, H]
         H = x.shape[-1]
         logits = self.head(kept.reshape(-1, H))
         return LeanOutput(logits=logits.view(x.shape[0], kept.shape[1], -1), hidden=hidden)

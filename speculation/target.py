@@ -81,6 +81,19 @@ class SlotState:
 
 
 @dataclass(frozen=True)
+class PrefillForward:
+    """Target outputs of a prompt prefilled inside a batched step (:meth:`TargetModel.step_batch`).
+
+    Attributes:
+        logits: ``[V]`` next-token logits after the prompt.
+        aux_hidden: ``[n, 3H]`` fused auxiliary features of the prompt, or None if not requested.
+    """
+
+    logits: torch.Tensor
+    aux_hidden: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class TreeForward:
     """Target outputs over one tree.
 
@@ -161,23 +174,25 @@ class TargetModel:
         need_aux: bool = False,
         cache_position: torch.Tensor | None = None,
         rows: RaggedRows | None = None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None]:
         """One forward of ``input_ids`` ``[B, T]`` over ``cache``: the lean loop where it applies,
         else the model's own ``forward``; both compute the same tensors (bit for bit, tested).
 
         ``positions`` ``[B, T]`` (None: right after the cached rows), ``mask`` ``[B, 1, T, n + T]``
         bool (None: causal), ``keep_last``: logits of the last row only, ``rows``: a flat batch
-        (lean loop only, :class:`~speculation.lean_forward.RaggedRows`). Returns (logits
-        ``[B, T or 1, V]``, hidden states by transformers index when ``need_aux``, else None).
+        (lean loop only, :class:`~speculation.lean_forward.RaggedRows`), ``keep``: logits of these
+        token indices only (lean loop only). Returns (logits ``[B, T or 1 or K, V]``, hidden states
+        by transformers index when ``need_aux``, else None).
         """
         lean = self._lean()
         if lean is not None:
             if positions is None:
                 positions = causal_positions(cache.get_seq_length(), input_ids.shape[1], self.device)
             out = lean.forward(input_ids, positions, cache, mask=mask, keep_last=keep_last,
-                               hidden_at=self.aux_layers if need_aux else (), rows=rows)
+                               hidden_at=self.aux_layers if need_aux else (), rows=rows, keep=keep)
             return out.logits, (out.hidden if need_aux else None)
-        if rows is not None:
+        if rows is not None or keep is not None:
             raise RuntimeError("a flat batch needs the lean forward (see TargetModel.batch_layout)")
         kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
         if cache_position is not None:
@@ -283,6 +298,21 @@ class TargetModel:
         """How :meth:`verify_batch` lays a batch out: FLAT where the lean loop runs, else PADDED."""
         return BatchLayout.FLAT if self.lean is not None and self.lean.placed() else BatchLayout.PADDED
 
+    @property
+    def folds_prefills(self) -> bool:
+        """Whether :meth:`step_batch` can prefill new sequences inside the batched verify forward
+        (the FLAT layout: a prompt is one more causal row of the packed pass)."""
+        return self.batch_layout is BatchLayout.FLAT
+
+    def empty_slot(self, pool: KVSlotPool) -> SlotState:
+        """A free slot of ``pool`` holding nothing yet, for a prompt that :meth:`step_batch` prefills."""
+        if not self.folds_prefills:
+            raise RuntimeError("prefills fold into the batched forward only in the FLAT layout "
+                               "(use prefill_slot)")
+        layers = self.lean.layers  # folds_prefills: the lean loop is there
+        pool.allocate(layers.num_kv_heads, layers.head_dim, layers.dtype, layers.device)
+        return SlotState(pool=pool, slot=pool.acquire(), length=0, tokens=[])
+
     @torch.inference_mode()
     def verify_batch(
         self, states: list[SlotState], trees: list[DraftTree], need_aux: bool = False
@@ -301,6 +331,8 @@ class TargetModel:
         """
         if len(states) != len(trees) or not states:
             raise ValueError("verify_batch needs one tree per state, at least one")
+        if self._lean() is not None:  # inference mode here: the lean loop runs, so FLAT
+            return self.step_batch(states, trees, [], need_aux=need_aux)[0]
         pool = states[0].pool
         if any(s.pool is not pool for s in states):
             raise ValueError("all states of one batch must live in the same KV pool")
@@ -309,16 +341,6 @@ class TargetModel:
         sizes = [len(t) for t in trees]
         tts = [t.to_tensors() for t in trees]
         fwds = []
-        if self._lean() is not None:  # inference mode here: the lean loop runs, so FLAT
-            cache = pool.batch_cache(slots, bases, sizes, flat=True)
-            input_ids, positions, rows = ragged_tree_inputs(tts, bases, self.device)
-            logits, hidden = self._forward(input_ids, cache, positions, need_aux=need_aux, rows=rows)
-            aux_all = self._aux(hidden) if need_aux else None  # [sum T_b, 3H]
-            for state, o, t in zip(states, rows.offsets, sizes):
-                aux = aux_all[o : o + t] if aux_all is not None else None
-                fwds.append(TreeForward(logits=logits[0, o : o + t], aux_hidden=aux))
-                state.length += t  # provisional: commit_slot() cuts back to the accepted path
-            return fwds
         cache = pool.batch_cache(slots, bases, sizes)
         input_ids, mask, positions = batch_tree_attention_inputs(tts, bases, cache.plan.kv_len, self.device)
         logits, hidden = self._forward(input_ids, cache, positions, mask, need_aux=need_aux)
@@ -327,6 +349,64 @@ class TargetModel:
             fwds.append(TreeForward(logits=logits[b, :t], aux_hidden=aux))
             state.length += t  # provisional: commit_slot() cuts back to the accepted path
         return fwds
+
+    @torch.inference_mode()
+    def step_batch(
+        self,
+        states: list[SlotState],
+        trees: list[DraftTree],
+        prefills: list[tuple[SlotState, list[int]]],
+        need_aux: bool = False,
+    ) -> tuple[list[TreeForward], list[PrefillForward]]:
+        """ONE flat forward that verifies ``trees[b]`` for ``states[b]`` (as :meth:`verify_batch`)
+        and prefills each ``(state, prompt)`` of ``prefills`` into its empty slot
+        (:meth:`empty_slot`), the FLAT layout only (:attr:`folds_prefills`).
+
+        A prompt of n tokens is one more row of the packed pass: positions ``0..n-1``, causal
+        attention over its own keys (the solo :meth:`prefill`'s SDPA call), and logits at its last
+        token only. So its next-token logits and features equal a solo :meth:`prefill` bit for bit
+        where the GEMM kernels are batch-invariant (tested), and the weights stream once for the
+        whole step instead of once more per arriving request. The prompts' rows are committed
+        (their states hold the prompt); the tree rows are provisional until :meth:`commit_slot`.
+        Returns (one :class:`TreeForward` per tree, one :class:`PrefillForward` per prompt).
+        """
+        if len(states) != len(trees) or not (states or prefills):
+            raise ValueError("step_batch needs one tree per state and at least one row")
+        if self._lean() is None:
+            raise RuntimeError("step_batch needs the lean forward (FLAT layout; see TargetModel.folds_prefills)")
+        prompt_states = [s for s, _ in prefills]
+        every = [*states, *prompt_states]
+        pool = every[0].pool
+        if any(s.pool is not pool for s in every):
+            raise ValueError("all states of one batch must live in the same KV pool")
+        for s, ids in prefills:
+            if s.length != 0 or not ids:
+                raise ValueError("a prefill row needs an empty slot (TargetModel.empty_slot) and a non-empty prompt")
+        slots = [s.held_slot() for s in every]
+        bases = [s.length for s in states] + [0] * len(prefills)
+        sizes = [len(t) for t in trees] + [len(ids) for _, ids in prefills]
+        cache = pool.batch_cache(slots, bases, sizes, flat=True)
+        input_ids, positions, rows = ragged_tree_inputs([t.to_tensors() for t in trees], bases[: len(trees)],
+                                                        self.device, prompts=[ids for _, ids in prefills])
+        offsets = rows.offsets
+        n_tree = sum(sizes[: len(trees)])
+        # logits at every tree node, and at each prompt's last token: [n_tree + P] indices
+        last = [offsets[len(trees) + p] + sizes[len(trees) + p] - 1 for p in range(len(prefills))]
+        keep = torch.tensor([*range(n_tree), *last], dtype=torch.long, device=self.device) if prefills else None
+        logits, hidden = self._forward(input_ids, cache, positions, need_aux=need_aux, rows=rows, keep=keep)
+        aux_all = self._aux(hidden) if need_aux else None  # [sum T_b, 3H]
+        fwds = []
+        for state, o, t in zip(states, offsets, sizes):
+            aux = aux_all[o : o + t] if aux_all is not None else None
+            fwds.append(TreeForward(logits=logits[0, o : o + t], aux_hidden=aux))
+            state.length += t  # provisional: commit_slot() cuts back to the accepted path
+        starts = []
+        for p, (state, ids) in enumerate(prefills):
+            o, n = offsets[len(trees) + p], len(ids)
+            aux = aux_all[o : o + n] if aux_all is not None else None
+            starts.append(PrefillForward(logits=logits[0, n_tree + p], aux_hidden=aux))
+            state.length, state.tokens = n, list(ids)
+        return fwds, starts
 
     @torch.inference_mode()
     def commit_slot(self, state: SlotState, tree: DraftTree, accepted: list[int]) -> None:
@@ -416,9 +496,9 @@ def batch_tree_attention_inputs(
 
 
 def ragged_tree_inputs(
-    trees: list, past_lens: list[int], device: torch.device
+    trees: list, past_lens: list[int], device: torch.device, prompts: Sequence[Sequence[int]] = ()
 ) -> tuple[torch.Tensor, torch.Tensor, RaggedRows]:
-    """Token ids, positions and rows of one flat (ragged) batched tree forward.
+    """Token ids, positions and rows of one flat (ragged) batched forward: tree rows, then prompts.
 
     Row b's ``T_b`` nodes (``trees[b]``, a :class:`~speculation.tree.TreeTensors`) after its
     ``n_b = past_lens[b]`` committed tokens take tokens ``o_b .. o_b + T_b`` of the packed pass::
@@ -428,13 +508,19 @@ def ragged_tree_inputs(
         mask_b                = [1]*n_b ++ A_b  (tree_attention_inputs)     # [1, 1, T_b, n_b + T_b]
 
     and ``mask_b`` is None for a one-token row (a decode step: it attends to every key of its row).
+    Each prompt of ``prompts`` (a prefill into an empty slot) follows as one row of its n tokens at
+    positions ``0..n-1`` with ``mask`` None (causal over its own keys, as a solo prefill).
     """
-    ids = torch.cat([tt.tokens for tt in trees]).view(1, -1).to(device)
-    positions = torch.cat([tt.depths.to(torch.long) + n for tt, n in zip(trees, past_lens)]).view(1, -1).to(device)
-    masks = []
-    for tt, n in zip(trees, past_lens):
-        masks.append(None if tt.tokens.shape[0] == 1 else tree_attention_inputs(tt.ancestor_mask, tt.depths, n, device)[0])
-    return ids, positions, RaggedRows(sizes=tuple(int(tt.tokens.shape[0]) for tt in trees), masks=tuple(masks))
+    n_tree = [int(tt.tokens.shape[0]) for tt in trees]
+    ids = torch.cat([*(tt.tokens for tt in trees), *(torch.tensor(p, dtype=torch.long) for p in prompts)])
+    positions = torch.cat([*(tt.depths.to(torch.long) + n for tt, n in zip(trees, past_lens)),
+                           *(torch.arange(len(p), dtype=torch.long) for p in prompts)])
+    masks: list[torch.Tensor | None] = []
+    for tt, n, t in zip(trees, past_lens, n_tree):
+        masks.append(None if t == 1 else tree_attention_inputs(tt.ancestor_mask, tt.depths, n, device)[0])
+    masks += [None] * len(prompts)
+    sizes = (*n_tree, *(len(p) for p in prompts))
+    return ids.view(1, -1).to(device), positions.view(1, -1).to(device), RaggedRows(sizes=sizes, masks=tuple(masks))
 
 
 def causal_positions(past_len: int, length: int, device: torch.device) -> torch.Tensor:

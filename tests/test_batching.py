@@ -179,6 +179,66 @@ def test_batched_greedy_equals_solo_vanilla(name, layout):
         assert all(s.tree_size == 1 for s in steps)
 
 
+@pytest.mark.parametrize("name", ["vanilla", "eagle3", "graft"])
+def test_prefills_fold_into_the_step_forward_with_the_same_tokens(name, monkeypatch):
+    """FLAT layout: arriving prompts are prefilled inside the step's one forward (no prefill
+    forward of their own; the step records count their tokens), and the outputs
+    equal both the unfolded engine's and solo vanilla (drafters that need the prompt's features,
+    EAGLE-3 and Graft, get them from the folded prefill)."""
+    target = tiny_target(_model("flat"))
+    assert target.folds_prefills
+    refs = [_solo_vanilla(target, p, n) for p, n in zip(PROMPTS, NEW)]
+    outs = {}
+    for fold in (True, False):
+        engine = BatchEngine(target, _factory(name, target),
+                             BatchConfig(max_sequences=4, max_tokens_per_sequence=64, fold_prefills=fold))
+        reqs = [Request(f"r{i}", p, n, GREEDY, stop_at_eos=False) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+        with monkeypatch.context() as m:
+            if fold:  # a prefill forward of its own would be a failure
+                m.setattr(target, "prefill_slot", lambda *a, **k: pytest.fail("a prompt got its own prefill forward"))
+            results, updates = _drive(engine, reqs, ARRIVE)
+        outs[fold] = {rid: r.tokens for rid, r in results.items()}
+        steps = [u.step for ups in updates.values() for u in ups if u.step is not None]
+        folded = sum(s.stats["batch_prefill_tokens"] > 0 for s in steps)
+        assert (folded > 0) is fold
+        for i in range(len(PROMPTS)):
+            _check_updates(updates[f"r{i}"], results[f"r{i}"], NEW[i])
+            first = updates[f"r{i}"][0]
+            if fold:  # the step that prefilled it gave its first token alone; it verifies from the next
+                assert len(first.new_tokens) == 1 and first.step is None
+    assert outs[True] == outs[False] == {f"r{i}": ref for i, ref in enumerate(refs)}
+
+
+def test_a_failed_folded_step_requeues_the_arriving_requests(monkeypatch):
+    """If the step's forward fails, the requests whose prompts it was to prefill wait again (first
+    in line, slots freed); the next step runs them and nothing is lost or corrupted."""
+    target = tiny_target(_model("flat"))
+    engine = BatchEngine(target, None, BatchConfig(max_sequences=2, max_tokens_per_sequence=64))
+    engine.add(Request("a", PROMPTS[1], 6, GREEDY, stop_at_eos=False))
+    engine.step()
+    engine.add(Request("b", PROMPTS[2], 6, GREEDY, stop_at_eos=False))
+    engine.add(Request("c", PROMPTS[3], 6, GREEDY, stop_at_eos=False))
+    real = target.step_batch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected forward failure")
+
+    monkeypatch.setattr(target, "step_batch", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.num_waiting == 2 and engine.pool.free == 1 and engine.num_live == 1
+    monkeypatch.setattr(target, "step_batch", real)
+    results = {}
+    while engine.has_work():
+        engine.step()
+        results.update(engine.finished_results())
+    # the live sequence "a" goes on too: the failed step committed nothing of its tree
+    assert results["b"].tokens == _solo_vanilla(target, PROMPTS[2], 6)
+    assert results["c"].tokens == _solo_vanilla(target, PROMPTS[3], 6)
+    assert results["a"].tokens == _solo_vanilla(target, PROMPTS[1], 6)
+    assert engine.pool.free == 2
+
+
 def test_eos_and_stop_ids_mid_batch():
     """A sequence that hits EOS (or its own stop id) leaves the batch; the others go on unchanged."""
     base = _model()

@@ -132,8 +132,10 @@ def test_batched_verify_equals_the_solo_verify_bit_for_bit(dtype, request):
     """Batch invariance: four chat prompts of different lengths verified together (trees of 1 to 6
     nodes, one-token rows among them, rows that move on commit) give every sequence the logits and
     features of its own solo verify **bit for bit**, step after step, wherever the CPU's GEMMs are
-    batch-invariant (probed; elsewhere to rounding). Attention runs per row over the row's own
-    keys with the solo call, and every GEMM runs on at least two rows."""
+    batch-invariant (probed; elsewhere to rounding). Two of the prompts (one of 200+ tokens) are
+    prefilled inside the first batched step (``step_batch``): their next-token logits and features
+    equal their solo prefill's. Attention runs per row over the row's own keys with the solo call,
+    and every GEMM runs on at least two rows."""
     import random
 
     from tests.helpers import random_tree
@@ -142,12 +144,30 @@ def test_batched_verify_equals_the_solo_verify_bit_for_bit(dtype, request):
     target = TargetModel(model, tok)
     exact = _gemms_batch_invariant(model)
     texts = ["Write a haiku about the sea.", "Hi", "List three prime numbers and explain why they are prime.",
-             "Translate 'good morning, my friend' into French, please."]
+             "Translate 'good morning, my friend' into French, please. " * 12]  # the last: 200+ tokens
     prompts = [assets.encode_turn(tok, [], t) for t in texts]
-    pool = target.new_slot_pool(4, 256)
-    states = [target.prefill_slot(pool, p, need_aux=True)[0] for p in prompts]
-    solos = [target.prefill(p)[0] for p in prompts]
+    pool = target.new_slot_pool(4, 512)
+    solos, solo_starts = zip(*((s, (lg, aux)) for s, lg, aux in (target.prefill(p, need_aux=True) for p in prompts)))
+    # two sequences prefilled on their own, two prefilled inside the first batched step
+    states = [target.prefill_slot(pool, p, need_aux=True)[0] for p in prompts[:2]]
     rng = random.Random(3)
+    first = [DraftTree(prompts[0][-1]), random_tree(rng, prompts[1][-1], 2000, max_nodes=6)]
+    arriving = [target.empty_slot(pool) for _ in prompts[2:]]
+    fwds, starts = target.step_batch(states, first, list(zip(arriving, prompts[2:])), need_aux=True)
+    for b, (fwd, tree) in enumerate(zip(fwds, first)):
+        ref = target.verify(solos[b], tree, need_aux=True)
+        target.commit_slot(states[b], tree, [0])
+        target.commit(solos[b], tree, [0])
+        assert torch.equal(fwd.logits, ref.logits) if exact else _close(fwd.logits, ref.logits) is None
+    for p, (start, (logits, aux)) in enumerate(zip(starts, solo_starts[2:])):
+        assert start.aux_hidden.shape == aux.shape and arriving[p].tokens == prompts[2 + p]
+        if exact:
+            assert torch.equal(start.logits, logits) and torch.equal(start.aux_hidden, aux), (
+                f"prefill {p} ({len(prompts[2 + p])} tokens) folded into a step: max |diff| "
+                f"{float((start.logits - logits).abs().max())}")
+        else:
+            _close(start.logits, logits)
+    states += arriving
     for step in range(4):
         trees = [DraftTree(p[-1]) if (b + step) % 3 == 0 else random_tree(rng, p[-1], 2000, max_nodes=6)
                  for b, p in enumerate(prompts)]

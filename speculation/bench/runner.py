@@ -242,6 +242,8 @@ def run_concurrency(
     method_configs: dict | None = None,
     goodput: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
+    fold_prefills: bool = True,
+    refs: list[list[int]] | None = None,
 ) -> dict:
     """Closed-loop clients over :class:`~speculation.engine.BatchEngine`, per concurrency N and method.
 
@@ -254,7 +256,9 @@ def run_concurrency(
     request equals its solo vanilla output; else the match rate; None when sampling), plus the
     mean tree tokens granted per sequence step (the budget split). On CUDA, timestamps are taken
     after ``torch.cuda.synchronize``. ``progress(done, total, "N=<n> <method>")`` is called as each
-    request finishes.
+    request finishes. ``fold_prefills``: ``BatchConfig.fold_prefills`` (arriving prompts prefilled
+    inside the step's forward; False is the A/B baseline). ``refs``: the solo vanilla outputs of
+    the first turns when already known (greedy), else computed here.
     """
     from speculation.config import BatchConfig, SamplingConfig
     from speculation.engine import BatchEngine, Request
@@ -266,7 +270,10 @@ def run_concurrency(
     tok = target.tokenizer
     prompts = [assets.encode_turn(tok, [], q.turns[0]) for q in questions]
     engine_cfg = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling)
-    refs = [generate_vanilla(target, p, engine_cfg).tokens for p in prompts] if cfg.sampling.greedy else None
+    if refs is None and cfg.sampling.greedy:
+        refs = [generate_vanilla(target, p, engine_cfg).tokens for p in prompts]
+    elif not cfg.sampling.greedy:
+        refs = None
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     slot_len = max(len(p) for p in prompts) + cfg.max_new_tokens + 1
     out: dict[str, Any] = {}
@@ -278,7 +285,7 @@ def run_concurrency(
             if factory is not None:
                 factory()  # one-time set-up outside the timed loop: e.g. the c(T) a cost-aware drafter measures
             engine = BatchEngine(target, factory, BatchConfig(max_sequences=n, max_tokens_per_sequence=slot_len,
-                                                              goodput=goodput))
+                                                              goodput=goodput, fold_prefills=fold_prefills))
             added: dict[str, float] = {}
             last: dict[str, float] = {}
             ttft: list[float] = []
@@ -348,7 +355,7 @@ def run_concurrency(
         base = methods[BASELINE]["tokens_per_s"]
         for m in methods.values():
             m["speedup"] = m["tokens_per_s"] / base
-        level: dict[str, Any] = {"methods": methods}
+        level: dict[str, Any] = {"methods": methods, "fold_prefills": fold_prefills}
         peer_rows: dict[str, dict] = {}
         for peer in parse_peers(",".join(cfg.peers)):
             if peer == Peer.HF_GENERATE:

@@ -1,0 +1,102 @@
+"""Prefills folded into the batched step against a prefill forward per arriving request, side by side.
+
+    .venv/bin/python benchmarks/fold_prefills.py --dtype float32 --json benchmarks/results/fold_prefills_fp32.json
+
+Runs the closed loop of ``graftblock bench --concurrency`` (:func:`~speculation.bench.runner.run_concurrency`:
+N clients, each sending the next Spec-Bench first turn when its request ends) through
+:class:`~speculation.engine.BatchEngine` twice per repeat: with ``fold_prefills`` on (an arriving
+prompt is one more causal row of the step's flat forward) and off (each arriving prompt gets its
+own forward before the step). The arms alternate run by run (which arm goes first alternates
+too), so a drifting host hits both alike. Reports per N and arm the median over ``--repeats`` of
+total tokens/s, TTFT p50/p99 and ITL p50/p99, and the paired ratio folded / unfolded per repeat
+(median, and how many repeats were faster), plus whether both arms equal solo vanilla token for
+token (greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ARMS = {"folded": True, "unfolded": False}
+FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--method", default="vanilla", help="a bench method (vanilla, retrieval, ...)")
+    ap.add_argument("--concurrency", default="4,8,16")
+    ap.add_argument("--questions", type=int, default=1, help="Spec-Bench questions per category")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--goodput", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--concurrency takes comma-separated integers, got {args.concurrency!r}")
+    if not levels or min(levels) < 1:
+        ap.error(f"--concurrency values must be >= 1, got {args.concurrency!r}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+
+    import torch
+
+    from graftblock.cli import _load_target
+    from speculation import assets
+    from speculation.bench.runner import emit_json, environment, run_concurrency
+    from speculation.config import BenchConfig, DType, EngineConfig, SamplingConfig
+    from speculation.engine import generate_vanilla
+
+    torch.set_num_threads(args.threads)
+    target = _load_target(args.model, args.dtype)
+    if not target.folds_prefills:
+        ap.error(f"{args.model} in {args.dtype} does not run the flat batch here: nothing folds")
+    questions = assets.load_questions("spec_bench", args.questions)
+    greedy = SamplingConfig(temperature=0.0)
+    cfg = BenchConfig(methods=(args.method,), model=args.model, dtype=DType.parse(args.dtype),
+                      max_new_tokens=args.max_new_tokens, sampling=greedy)
+    prompts = [assets.encode_turn(target.tokenizer, [], q.turns[0]) for q in questions]
+    refs = [generate_vanilla(target, p, EngineConfig(max_new_tokens=args.max_new_tokens, sampling=greedy)).tokens
+            for p in prompts]
+    run_concurrency(cfg, target, questions[:2], [2], refs=refs[:2])  # warm-up: oneDNN primitives, drafter set-up
+
+    runs: dict[int, dict[str, list[dict]]] = {n: {a: [] for a in ARMS} for n in levels}
+    for r in range(args.repeats):
+        order = list(ARMS) if r % 2 == 0 else list(ARMS)[::-1]
+        for n in levels:
+            for arm in order:
+                level = run_concurrency(cfg, target, questions, [n], goodput=args.goodput,
+                                        fold_prefills=ARMS[arm], refs=refs)[str(n)]
+                runs[n][arm].append(level["methods"][args.method])
+                print(f"repeat {r + 1}/{args.repeats} N={n} {arm}: "
+                      f"{level['methods'][args.method]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+
+    result: dict[int, dict] = {}
+    for n in levels:
+        arms = {a: {f: statistics.median(m[f] for m in ms) for f in FIGURES} for a, ms in runs[n].items()}
+        for a, ms in runs[n].items():
+            arms[a]["lossless"] = all(m["lossless"] is True for m in ms)
+            arms[a]["steps"] = statistics.median(m["steps"] for m in ms)
+        ratios = sorted(f["tokens_per_s"] / u["tokens_per_s"] for f, u in zip(runs[n]["folded"], runs[n]["unfolded"]))
+        result[n] = {"arms": arms, "ratio_tokens_per_s_paired": ratios,
+                     "ratio_median": statistics.median(ratios), "repeats_faster": sum(x > 1.0 for x in ratios)}
+    out = {
+        "kind": "fold_prefills",
+        "command": " ".join(["benchmarks/fold_prefills.py", *(argv if argv is not None else sys.argv[1:])]),
+        "env": environment(), "model": args.model, "dtype": args.dtype, "method": args.method,
+        "goodput": args.goodput, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "concurrency": {str(n): v for n, v in result.items()},
+    }
+    emit_json(out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
