@@ -56,6 +56,7 @@ SECTIONS: dict[str, str] = {
     "concurrency_vllm_specbench_fp32": "Continuous batching against vLLM's: the same closed loop on both engines (fp32)",
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
+    "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
     "concurrency_specbench_fp32_drafting_charged_to_vanilla": "Continuous batching (fp32), the same run before the goodput fix: drafting seconds charged to the vanilla split too",
     "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
     "serve_load_threads_1": "Serving: replica torch threads, 1 (80 requests; pair of the next table)",
@@ -527,6 +528,24 @@ def render_grad_terms(res: dict) -> list[str]:
     return lines
 
 
+def render_fold_prefills(res: dict) -> list[str]:
+    """Prefills folded into the step against their own forwards: per N and arm, medians over repeats."""
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}`"
+             f"{' (goodput rule)' if res.get('goodput') else ''}: {res['prompts']} Spec-Bench first turns, "
+             f"{res['max_new_tokens']} new tokens each, closed loop; medians of {res['repeats']} repeats, arms "
+             "alternating run by run.", "",
+             "| N | arm | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | lossless | folded / unfolded tok/s (paired) |",
+             "|---|---|---|---|---|---|---|"]
+    for n, level in res["concurrency"].items():
+        ratios = ", ".join(_f(r, 2) for r in level["ratio_tokens_per_s_paired"])
+        for i, (arm, m) in enumerate(level["arms"].items()):
+            cell = (f"{_f(level['ratio_median'], 2, '×')} median ({ratios}); faster in "
+                    f"{level['repeats_faster']} of {len(level['ratio_tokens_per_s_paired'])}") if i == 0 else ""
+            lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} "
+                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {_f(m['lossless'])} | {cell} |")
+    return lines
+
+
 def render_curve(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**; median seconds of one verify + KV commit over a 256-token context.", ""]
     curves = res["curves"]
@@ -581,6 +600,8 @@ def main() -> int:
             out += render_cost_correction(res)
         elif kind == "goodput_calibration":
             out += render_goodput_calibration(res)
+        elif kind == "fold_prefills":
+            out += render_fold_prefills(res)
         elif "methods" in res:
             out += render_bench(res)
             if any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values()):

@@ -14,6 +14,12 @@ lengths, per-row positions and ancestor masks (built on the shard by the in-proc
 padded one). Hidden states flow shard to shard as object refs (the batch's flat rows); the coordinator fetches only the last shard's logits of the valid
 rows (``[sum T_b, V]``) and the aux parts. ``commit_slot`` sends nothing: the step's KV
 compactions ride in the next call on that pool (:class:`~workers.shard.Compaction`, idempotent).
+Where every shard runs flat rows (``folds_prefills``), arriving prompts ride in the same call
+(``empty_slot`` + ``step_batch``: one causal row each, written into its empty slot, logits at its
+last token), so a step is one call per shard whatever arrives; a prompt that arrives in a
+padded deployment takes its own pipeline pass (``prefill_slot``). A sequence prefilled inside a
+step becomes live (replayable after a fault) only once that step succeeded; a fault during it
+recovers the live sequences and resubmits the step, prompts included.
 
 Memory: each shard holds per pool ``max_sequences x max_tokens`` KV rows of its own layers,
 allocated once; live sequences are never evicted (the pool is dropped on the shards when the
@@ -48,7 +54,7 @@ import torch
 
 from cluster.backend import RayTargetBackend, ShardTimeoutError, wait_pipeline
 from speculation.config import BatchLayout
-from speculation.target import TreeForward
+from speculation.target import PrefillForward, TreeForward
 from speculation.tree import DraftTree
 from workers.shard import (
     BatchStepInput,
@@ -203,9 +209,10 @@ class RayBatchTarget(RayTargetBackend):
         flat = all(layout is BatchLayout.FLAT for layout in ray.get(layouts))
         self.batch_layout = BatchLayout.FLAT if flat else BatchLayout.PADDED
         """How the shards lay a batched step out (what the goodput rule's cost model assumes)."""
-        self.folds_prefills = False
-        """Arriving prompts are prefilled in their own pipeline pass (``prefill_slot``), not inside
-        the batched step: the shards' step carries tree rows only."""
+        self.folds_prefills = flat
+        """Whether :meth:`step_batch` can prefill arriving prompts inside the step's one call per
+        shard (every shard runs the lean loop's flat rows); else each prompt takes its own
+        pipeline pass (:meth:`prefill_slot`)."""
         self._stale: set[int] = set()  # restarted shards whose pools are not re-prefilled yet
         self.recoveries = 0
         """Shard restarts recovered so far (pools recreated and live sequences re-prefilled)."""
@@ -254,15 +261,45 @@ class RayBatchTarget(RayTargetBackend):
     ) -> list[TreeForward]:
         """ONE call per shard over every tree of every sequence (per-row masks and positions);
         the tree rows are provisional until :meth:`commit_slot`."""
-        import ray
-
         if len(states) != len(trees) or not states:
             raise ValueError("verify_batch needs one tree per state, at least one")
-        pool = states[0].pool
-        if any(s.pool is not pool for s in states):
+        return self.step_batch(states, trees, [], need_aux=need_aux)[0]
+
+    def empty_slot(self, pool: RaySlotPool) -> RaySlotState:
+        """A free slot of ``pool`` holding nothing yet, for a prompt that :meth:`step_batch` prefills."""
+        if not self.folds_prefills:
+            raise RuntimeError("prefills fold into the batched step only when every shard runs flat rows "
+                               "(use prefill_slot)")
+        return RaySlotState(pool=pool, slot=pool.acquire(), length=0, tokens=[])
+
+    def step_batch(
+        self,
+        states: list[RaySlotState],
+        trees: list[DraftTree],
+        prefills: list[tuple[RaySlotState, list[int]]],
+        need_aux: bool = False,
+    ) -> tuple[list[TreeForward], list[PrefillForward]]:
+        """ONE call per shard: every tree of ``states`` verified (as :meth:`verify_batch`) and each
+        ``(state, prompt)`` of ``prefills`` prefilled into its empty slot (:meth:`empty_slot`; the
+        flat layout only), as :meth:`speculation.target.TargetModel.step_batch` does in one process.
+        A prefilled sequence joins the pool's live sequences (what a re-prefill after a fault
+        replays) once the step succeeded."""
+        import ray
+
+        if len(states) != len(trees) or not (states or prefills):
+            raise ValueError("step_batch needs one tree per state and at least one row")
+        if prefills and not self.folds_prefills:
+            raise RuntimeError("prefills fold into the batched step only when every shard runs flat rows")
+        every = [*states, *(p[0] for p in prefills)]
+        pool = every[0].pool
+        if any(s.pool is not pool for s in every):
             raise ValueError("all states of one batch must live in the same KV pool")
+        for s, ids in prefills:
+            if s.length != 0 or not ids:
+                raise ValueError("a prefill row needs an empty slot (empty_slot) and a non-empty prompt")
         sizes = [len(t) for t in trees]
-        if any(s.length + t > pool.max_tokens for s, t in zip(states, sizes)):
+        prompt_sizes = [len(ids) for _, ids in prefills]
+        if any(s.length + t > pool.max_tokens for s, t in zip(every, sizes + prompt_sizes)):
             raise ValueError(f"a row would write past the slot size {pool.max_tokens}")
         tts = [t.to_tensors() for t in trees]
         batch = BatchStepInput(
@@ -271,6 +308,8 @@ class RayBatchTarget(RayTargetBackend):
             trees=tuple((tt.tokens.numpy(), tt.depths.numpy(), tt.ancestor_mask.numpy()) for tt in tts),
             aux_layers=self.aux_layers if need_aux else (),
             compactions=tuple(pool.compactions),
+            prompt_slots=tuple(s.held_slot() for s, _ in prefills),
+            prompts=tuple(np.asarray(ids, dtype=np.int64) for _, ids in prefills),
         )
         batch_ref = ray.put(batch)  # one copy in the object store, read by every shard
 
@@ -278,18 +317,26 @@ class RayBatchTarget(RayTargetBackend):
             return self._pipeline(lambda s, h: s.verify_batch.options(num_returns=2).remote(
                 pool.pool_id, batch_ref, h))
 
-        logits_w, aux_parts = self._split(self._with_recovery(submit, f"verify step of {len(states)} sequences"))
+        what = f"verify step of {len(states)} sequences" + (f" and {len(prefills)} prefills" if prefills else "")
+        logits_w, aux_parts = self._split(self._with_recovery(submit, what))
         self.batch_calls += 1
         pool.compactions = []
-        logits = logits_w.to_torch()  # [sum T_b, V]
-        aux = self._aux(aux_parts) if need_aux else None  # [sum T_b, 3H]
+        logits = logits_w.to_torch()  # [sum T_b (+ P), V]: tree nodes, then each prompt's last token
+        aux = self._aux(aux_parts) if need_aux else None  # [sum T_b + sum n_p, 3H]
         fwds = []
-        offsets = np.cumsum([0, *sizes]).tolist()
+        offsets = np.cumsum([0, *sizes, *prompt_sizes]).tolist()
         for b, (state, t) in enumerate(zip(states, sizes)):
             lo, hi = offsets[b], offsets[b + 1]
             fwds.append(TreeForward(logits=logits[lo:hi], aux_hidden=aux[lo:hi] if aux is not None else None))
             state.length += t  # provisional: commit_slot() cuts back to the accepted path
-        return fwds
+        starts = []
+        n_tree = offsets[len(trees)]
+        for p, (state, ids) in enumerate(prefills):
+            lo, hi = offsets[len(trees) + p], offsets[len(trees) + p + 1]
+            starts.append(PrefillForward(logits=logits[n_tree + p], aux_hidden=aux[lo:hi] if aux is not None else None))
+            state.length, state.tokens = len(ids), list(ids)
+            pool.live[state.held_slot()] = state
+        return fwds, starts
 
     def commit_slot(self, state: RaySlotState, tree: DraftTree, accepted: list[int]) -> None:
         """Keep only the accepted path's rows (root first); sent with the pool's next call."""

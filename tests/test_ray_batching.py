@@ -7,9 +7,11 @@ tiny random Llama (fp32, layers [0, 2) and [2, 4)), driven by the unchanged
 * staggered arrivals, different prompt lengths and max tokens: every sequence equals its own solo
   in-process vanilla output, for vanilla and the retrieval drafter (which really speculates);
 * one call per shard per step: the shards' own call counters (no mock) move by exactly one
-  ``verify_batch`` per engine step, plus one ``prefill_slot`` per admission, and nothing else;
-* a shard killed mid-generation (``ray.kill(handle, no_restart=False)``, Ray restarts it): the
-  live sequences are re-prefilled on it and every output still equals the no-fault output;
+  ``verify_batch`` per engine step and nothing else (the arriving prompts ride in it: the shards
+  run flat rows, so prefills fold into the step; no ``prefill_slot`` call at all);
+* a shard killed mid-generation (``ray.kill(handle, no_restart=False)``, Ray restarts it), in
+  the step that also folds an arriving prompt: the live sequences are re-prefilled on it, the
+  step is resubmitted with the prompt, and every output still equals the no-fault output;
 * a call past its timeout is a ``ShardTimeoutError`` naming the shard;
 * without Ray: the shards' batched step chained in one process equals ``TargetModel.verify_batch``
   bit for bit (logits and aux), across steps with moved-row compactions and per-row KV lengths.
@@ -118,7 +120,7 @@ def _run(target, shards, factory, kill_at: int | None = None) -> tuple[dict[str,
             out[u.request_id].extend(u.new_tokens)
             accepted += u.step.accepted if u.step is not None else 0
         if before is not None:
-            verified = any(u.step is not None for u in updates)
+            verified = bool(updates)  # a step with live or arriving sequences runs the one forward
             deltas.append((verified, [{k: a.get(k, 0) - b.get(k, 0) for k in a} for a, b in
                                       zip(_counts(shards), before)]))
         step += 1
@@ -128,6 +130,7 @@ def _run(target, shards, factory, kill_at: int | None = None) -> tuple[dict[str,
 @pytest.mark.parametrize("method", ["vanilla", "retrieval"])
 def test_batched_ray_equals_solo_and_one_call_per_shard_per_step(tiny, refs, shards, method):
     target = _target(shards)
+    assert target.folds_prefills  # the shards load through assets.load_model: the lean loop, flat rows
     factory = None if method == "vanilla" else (lambda: build_drafter(RETRIEVAL, tiny))
     out, deltas, accepted = _run(target, shards, factory)
     for i, ref in enumerate(refs):
@@ -135,14 +138,12 @@ def test_batched_ray_equals_solo_and_one_call_per_shard_per_step(tiny, refs, sha
     steps_verified = 0
     for verified, per_shard in deltas:
         for k, d in enumerate(per_shard):
-            # exactly one batched call per shard per step (commits ride in it), plus prefills
+            # exactly one batched call per shard per step (commits and arriving prompts ride in it)
             assert d.get("verify_batch", 0) == int(verified), (k, d)
-            others = {m: v for m, v in d.items() if m not in ("verify_batch", "prefill_slot") and v}
+            others = {m: v for m, v in d.items() if m != "verify_batch" and v}
             assert not others, f"shard {k} got extra calls in a step: {others}"
         steps_verified += verified
     assert steps_verified == target.batch_calls
-    prefills = [sum(d[k].get("prefill_slot", 0) for _, d in deltas) for k in range(2)]
-    assert prefills == [len(PROMPTS)] * 2
     assert target.batch_calls < sum(NEW)  # sequences really shared steps
     assert (accepted > 0) == (method == "retrieval")  # the drafter really speculated
 
@@ -186,8 +187,8 @@ def test_shard_batch_step_equals_target_verify_batch_bitwise(layout):
     shards = [TargetShard(ShardSpec("tiny", "float32", k, 2, 2 * k, 2 * k + 2), model=model) for k in range(2)]
     assert target.batch_layout.value == layout and all(s.batch_layout().value == layout for s in shards)
     for s in shards:
-        s.new_pool("p", 3, 64)
-    pool = target.new_slot_pool(3, 64)
+        s.new_pool("p", 4, 64)
+    pool = target.new_slot_pool(4, 64)
     rng = random.Random(7)
     states = []
     for slot, n in enumerate((5, 11, 2)):
@@ -200,20 +201,28 @@ def test_shard_batch_step_equals_target_verify_batch_bitwise(layout):
         states.append(state)
     comps: tuple[Compaction, ...] = ()
     for step in range(5):
-        trees = [random_tree(rng, rng.randrange(64), 64, max_nodes=1 if step == b else 9) for b in range(3)]
+        trees = [random_tree(rng, rng.randrange(64), 64, max_nodes=1 if step == b else 9) for b in range(len(states))]
         bases = tuple(st.length for st in states)
-        fwds = target.verify_batch(states, trees, need_aux=True)
+        fold = layout == "flat" and step == 2  # a prompt arrives: prefilled in the step (slot 3)
+        prompt = [rng.randrange(64) for _ in range(7)] if fold else None
+        if fold:
+            arrived = target.empty_slot(pool)
+            fwds, starts = target.step_batch(states, trees, [(arrived, prompt)], need_aux=True)
+        else:
+            fwds, starts = target.verify_batch(states, trees, need_aux=True), []
         tts = [t.to_tensors() for t in trees]
-        batch = BatchStepInput((0, 1, 2), bases, tuple((t.tokens.numpy(), t.depths.numpy(),
-                                                        t.ancestor_mask.numpy()) for t in tts),
-                               TINY_AUX_LAYERS, comps)
+        batch = BatchStepInput(tuple(range(len(states))), bases,
+                               tuple((t.tokens.numpy(), t.depths.numpy(), t.ancestor_mask.numpy()) for t in tts),
+                               TINY_AUX_LAYERS, comps, prompt_slots=(3,) if fold else (),
+                               prompts=(np.array(prompt),) if fold else ())
         hidden, aux = None, {}
         for s in shards:
             hidden, part = s.verify_batch("p", batch, hidden)
             aux.update(part)
-        assert torch.equal(torch.cat([f.logits for f in fwds]), hidden.to_torch())
+        assert torch.equal(torch.cat([f.logits for f in fwds] + [p.logits.view(1, -1) for p in starts]),
+                           hidden.to_torch())
         got_aux = torch.cat([aux[i].to_torch() for i in TINY_AUX_LAYERS], -1)
-        assert torch.equal(torch.cat([f.aux_hidden for f in fwds]), got_aux)
+        assert torch.equal(torch.cat([f.aux_hidden for f in fwds] + [p.aux_hidden for p in starts]), got_aux)
         new = []
         for st, tree, base in zip(states, trees, bases):
             path = [0]  # the last child at each level: rows must move
@@ -222,3 +231,5 @@ def test_shard_batch_step_equals_target_verify_batch_bitwise(layout):
             target.commit_slot(st, tree, path)
             new.append(Compaction(st.slot, base, tuple(path)))
         comps = tuple(new)
+        if fold:
+            states.append(arrived)

@@ -169,6 +169,9 @@ class BatchStepInput:
         trees: per row ``(tokens [T_b] int64, depths [T_b] int64, ancestor_mask [T_b, T_b] bool)``.
         aux_layers: HF hidden-state indices to return (empty: none).
         compactions: the previous step's :class:`Compaction` s, applied before the forward.
+        prompt_slots: ``[P]`` slots whose prompts this step prefills (flat layout only).
+        prompts: per prompt slot its token ids ``[n_p]`` int64: rows after the trees' rows,
+            positions ``0..n_p-1``, causal over the slot's own rows (the solo prefill's attention).
     """
 
     slots: tuple[int, ...]
@@ -176,9 +179,22 @@ class BatchStepInput:
     trees: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
     aux_layers: tuple[int, ...] = ()
     compactions: tuple[Compaction, ...] = field(default_factory=tuple)
+    prompt_slots: tuple[int, ...] = ()
+    prompts: tuple[np.ndarray, ...] = ()
 
     def sizes(self) -> list[int]:
-        return [int(t[0].shape[0]) for t in self.trees]
+        """Tokens per row: the trees', then the prompts'."""
+        return [int(t[0].shape[0]) for t in self.trees] + [int(p.shape[0]) for p in self.prompts]
+
+    def kept_rows(self) -> list[int] | None:
+        """Flat indices whose logits the step returns: every tree node, then each prompt's last
+        token; None when there are no prompts (every row)."""
+        if not self.prompts:
+            return None
+        sizes = self.sizes()
+        n_tree = sum(sizes[: len(self.trees)])
+        ends = np.cumsum(sizes)[len(self.trees):] - 1
+        return [*range(n_tree), *(int(e) for e in ends)]
 
 
 class UnknownPoolError(KeyError):
@@ -492,11 +508,14 @@ class TargetShard:
     def verify_batch(
         self, pool_id: str, batch: BatchStepInput, hidden_in: WireTensor | None = None
     ) -> tuple[WireTensor, dict[int, WireTensor]]:
-        """ONE forward over the trees of all rows (after applying ``batch.compactions``).
+        """ONE forward over the trees of all rows (after applying ``batch.compactions``), and the
+        prefills of ``batch.prompts`` into their empty slots (flat layout only).
 
         Row b writes its ``T_b`` tree rows at ``bases[b]..`` of its slot (flat or padded, module
-        docstring). Returns hidden ``[1, sum T_b, H]`` (or, on the last shard, the logits
-        ``[sum T_b, V]``), row-major, and {aux index: ``[sum T_b, H]``}.
+        docstring); prompt p writes its ``n_p`` rows at ``0..`` of its slot. Returns hidden
+        ``[1, N, H]`` (or, on the last shard, the logits of :meth:`BatchStepInput.kept_rows`:
+        every tree node, then each prompt's last token), row-major, and {aux index: ``[N, H]``},
+        ``N = sum T_b + sum n_p``.
         """
         self._calls["verify_batch"] += 1
         pool = self._pool(pool_id)
@@ -508,19 +527,31 @@ class TargetShard:
                     f"shard {self.spec.index}: slot {slot} holds {valid.get(slot)} committed rows, the "
                     f"coordinator expects {base}"
                 )
-        sizes, bases = batch.sizes(), list(batch.bases)
+        sizes = batch.sizes()
+        bases = list(batch.bases) + [0] * len(batch.prompts)
+        slots = list(batch.slots) + list(batch.prompt_slots)
         tts = [
             TreeTensors(tokens=torch.tensor(np.asarray(t, dtype=np.int64)),  # copies: Ray's arrays are read-only
                         depths=torch.tensor(np.asarray(d, dtype=np.int64)),
                         ancestor_mask=torch.tensor(np.asarray(a, dtype=bool)))
             for t, d, a in batch.trees
         ]
-        ids = torch.cat([tt.tokens for tt in tts]).view(1, -1)  # [1, N], N = sum T_b
-        hidden = self._input_hidden(ids, hidden_in)  # [1, N, H]: the wire is always the flat rows
-        if self._lean is not None and self._lean.applies(hidden):  # FLAT: the in-process target's pass
-            _, positions, rows = ragged_tree_inputs(tts, bases, self.device)
-            cache = pool.batch_cache(list(batch.slots), bases, sizes, flat=True)
+        prompts = [np.asarray(p, dtype=np.int64).tolist() for p in batch.prompts]
+        ids = torch.cat([*(tt.tokens for tt in tts), *(torch.tensor(p, dtype=torch.long) for p in prompts)])
+        hidden = self._input_hidden(ids.view(1, -1), hidden_in)  # [1, N, H]: the wire is always the flat rows
+        lean = self._lean is not None and self._lean.applies(hidden)
+        if prompts and not lean:
+            raise ShardStateError(f"shard {self.spec.index}: prompt rows fold into a step only in the flat "
+                                  "layout (this shard runs transformers' layers); prefill them with prefill_slot")
+        if lean:  # FLAT: the in-process target's pass
+            if prompts:  # the first rows a fresh pool gets may be a folded prompt's
+                ll = self._lean
+                pool.allocate(ll.num_kv_heads, ll.head_dim, ll.dtype, ll.device)
+            _, positions, rows = ragged_tree_inputs(tts, bases[: len(tts)], self.device, prompts=prompts)
+            cache = pool.batch_cache(slots, bases, sizes, flat=True)
             hidden, aux_t = self._lean.run(hidden, positions, cache, None, tuple(batch.aux_layers), rows)
+            for slot, p in zip(batch.prompt_slots, prompts):
+                valid[slot] = len(p)
         else:  # PADDED: transformers' layers over [B, T_max] rows, then back to the flat rows
             cache = pool.batch_cache(list(batch.slots), bases, sizes)
             _, mask, positions = batch_tree_attention_inputs(tts, bases, cache.plan.kv_len, self.device)
@@ -534,7 +565,9 @@ class TargetShard:
         aux = {i: to_wire(h[0]) for i, h in aux_t.items()}  # [N, H] each
         if not self.spec.is_last:
             return to_wire(hidden), aux
-        return to_wire(self._head(hidden[0])), aux  # [N, V], row-major
+        kept = batch.kept_rows()
+        rows_out = hidden[0] if kept is None else hidden[0].index_select(0, torch.tensor(kept, device=hidden.device))
+        return to_wire(self._head(rows_out)), aux  # [K, V], row-major
 
     def _head(self, rows: torch.Tensor) -> torch.Tensor:
         """Logits ``[M, V]`` of final-normed ``rows`` ``[M, H]``: the lean loop's GEMM (the in-process
