@@ -47,6 +47,7 @@ from speculation.goodput import (
     CostCorrection,
     Split,
     exploration_cap,
+    GainCorrection,
     HostOverhead,
     measure_batch_cost,
     split_budget,
@@ -536,6 +537,8 @@ class BatchEngine:
         """Measured / predicted forward seconds (EMA) that rescales the goodput rule's c(B, t, L)."""
         self.drafting_s = 0.0
         """EMA of a drafted step's drafting seconds (all sequences): what the pre-drafting check prices."""
+        self.gain_correction = GainCorrection()
+        """Realised / expected extra tokens of drafted steps (EMAs): scales the acceptance estimates."""
         self.host_overhead = HostOverhead()
         """Host seconds of a step outside forward and drafting, with and without drafts verified:
         what verifying drafts adds is priced by the goodput rule (``verify_overhead_s``)."""
@@ -685,13 +688,17 @@ class BatchEngine:
     def _goodput(self) -> bool:
         return self.config.goodput and self.cost_model is not None
 
-    def _split(self, lives: list[_Live], drafts: list[int], drafting_s: float, spent: bool = True) -> Split:
+    def _split(self, lives: list[_Live], drafts: list[int], drafting_s: float, spent: bool = True,
+               corrected: bool = True) -> Split:
         """The goodput split of this step when sequence b can verify ``drafts[b]`` draft nodes
         (cut to :func:`~speculation.goodput.exploration_cap`) and drafting costs ``drafting_s``
-        (``spent``: already paid, or, before drafting, paid only by a split that verifies drafts)."""
+        (``spent``: already paid, or, before drafting, paid only by a split that verifies drafts).
+        ``corrected``: acceptance estimates scaled by :attr:`gain_correction` (False: as estimated,
+        what a probe tests)."""
         assert self.cost_model is not None
         room = [min(n, exploration_cap(lv.ranks.explored)) for lv, n in zip(lives, drafts)]
-        return split_budget([lv.ranks.estimate(n) for lv, n in zip(lives, room)], room, self.cost_model,
+        scale = self.gain_correction.scale if corrected else list
+        return split_budget([scale(lv.ranks.estimate(n)) for lv, n in zip(lives, room)], room, self.cost_model,
                             budget=self.config.step_token_budget, drafting_s=drafting_s,
                             contexts=[lv.state.length for lv in lives], correction=self.cost_correction.factor,
                             drafting_spent=spent, verify_overhead_s=self.host_overhead.extra_s)
@@ -705,35 +712,48 @@ class BatchEngine:
           proposed lately; a retrieval drafter often proposes a few nodes or none), priced with
           the EMA of past drafted steps' drafting seconds (:attr:`drafting_s`), which the vanilla
           split would not spend. A split that verifies some of them: DRAFT.
-        * full: ``cap - 1`` draft nodes drafted for free. A split that verifies nothing even then:
-          SKIP (no tree the drafter may propose can pay, whatever drafting costs).
-        * Otherwise the estimates say skip: a tree smaller than the cap, or drafting dearer than
-          what the drafts are expected to gain (a neural drafter's forwards on a CPU). They are
-          not re-measured while drafting is skipped, so every ``probe_every``-th such step drafts
-          anyway (PROBE); a probe whose drafting did not pay (:meth:`_after_drafting`) doubles
-          ``probe_every`` (up to :attr:`MAX_PROBE_EVERY`), one that paid resets it to 1.
+        * full: ``cap - 1`` draft nodes drafted for free, on the uncorrected estimates. A split that
+          verifies nothing even then: SKIP (no tree the drafter may propose can pay, whatever
+          drafting costs).
+        * Otherwise the corrected estimates say skip: a tree smaller than the cap, drafting dearer
+          than what the drafts are expected to gain (a neural drafter's forwards on a CPU), or
+          estimates that the realised gains scaled down (:attr:`gain_correction`). They are not
+          re-measured while drafting is skipped, so every ``probe_every``-th such step drafts
+          anyway (PROBE) and verifies what the uncorrected estimates grant; a probe that did not
+          pay in realised tokens (:meth:`_after_verify`) doubles ``probe_every`` (up to
+          :attr:`MAX_PROBE_EVERY`), a drafted step that paid resets it to 1.
         """
         full = [c - 1 for c in caps]
         expected = [f if lv.draft_size is None else min(f, round(lv.draft_size)) for lv, f in zip(lives, full)]
         if any(self._split(lives, expected, self.drafting_s, spent=False).drafts):
             return DraftingCheck.DRAFT
-        if not any(self._split(lives, full, 0.0).drafts):
+        if not any(self._split(lives, full, 0.0, corrected=False).drafts):
             return DraftingCheck.SKIP
         self._skips_since_draft += 1
         return DraftingCheck.PROBE if self._skips_since_draft > self._probe_every else DraftingCheck.SKIP
 
-    def _after_drafting(self, check: DraftingCheck, lives: list[_Live],
-                        proposed: list[tuple[DraftTree, Proposal | None, float]], split: Split) -> None:
-        """Book a drafted step: drafting seconds (EMA), proposed sizes, and the probe backoff (the
-        step's drafting paid when its trees, priced with their drafting seconds not yet spent,
-        beat the vanilla split)."""
+    def _after_drafting(self, lives: list[_Live], proposed: list[tuple[DraftTree, Proposal | None, float]]) -> None:
+        """Book a drafted step: drafting seconds (EMA) and proposed sizes."""
         spent = sum(p[2] for p in proposed)
         self.drafting_s = spent if self.drafting_s == 0.0 else 0.9 * self.drafting_s + 0.1 * spent
         for lv, (tree, proposal, _) in zip(lives, proposed):
             if proposal is not None:
                 lv.observe_draft_size(len(tree) - 1)
         self._skips_since_draft = 0
-        paid = any(split.drafts) and any(self._split(lives, split.drafts, spent, spent=False).drafts)
+
+    def _after_verify(self, check: DraftingCheck, lives: list[_Live], split: Split, expected: float,
+                      accepted: int, forward_s: float, drafting_s: float) -> None:
+        """Book a drafted step's realised outcome: the gain correction (``expected`` accepted draft
+        nodes on the raw estimates against ``accepted``), and the probe backoff. The step paid when
+        its realised tokens per second beat the vanilla split's predicted ones::
+
+            (B + accepted) / (forward_s + drafting_s)  >  B / (k c(B, 1, L))
+        """
+        if sum(split.drafts):
+            self.gain_correction.observe(expected, float(accepted))
+        B = len(lives)
+        vanilla = self._split(lives, [0] * B, 0.0).forward_s
+        paid = bool(sum(split.drafts)) and (B + accepted) / max(forward_s + drafting_s, 1e-9) > B / vanilla
         if paid:
             self._probe_every = 1
         elif check is DraftingCheck.PROBE:
@@ -751,11 +771,16 @@ class BatchEngine:
         trees = [p[0] for p in proposed]
         split_stats: dict[str, float] = {}
         split: Split | None = None
+        drafted = False
+        expected = 0.0
         if self._goodput and lives:
             assert self.cost_model is not None
-            split = self._split(lives, [len(t) - 1 for t in trees], sum(p[2] for p in proposed))
-            if not skip and any(p[1] is not None for p in proposed):
-                self._after_drafting(check, lives, proposed, split)
+            split = self._split(lives, [len(t) - 1 for t in trees], sum(p[2] for p in proposed),
+                                corrected=check is not DraftingCheck.PROBE)
+            drafted = not skip and any(p[1] is not None for p in proposed)
+            if drafted:
+                self._after_drafting(lives, proposed)
+            expected = sum(sum(lv.ranks.estimate(n)[:n]) for lv, n in zip(lives, split.drafts))
             trees = [t.pruned_to(n) for t, n in zip(trees, split.drafts)]
             caps = [n + 1 for n in split.drafts]
             split_stats = {"goodput_expected_tokens": split.expected_tokens,
@@ -764,6 +789,7 @@ class BatchEngine:
                            "goodput_row_tokens": float(split.row_tokens),
                            "goodput_cost_correction": self.cost_correction.factor,
                            "goodput_verify_overhead_s": self.host_overhead.extra_s,
+                           "goodput_gain_correction": self.gain_correction.factor,
                            "goodput_drafting_skipped": float(skip),
                            "goodput_drafting_probe": float(check is DraftingCheck.PROBE)}
         self.last_split = {lv.request.request_id: len(t) for lv, t in zip(lives, trees)}
@@ -801,6 +827,9 @@ class BatchEngine:
                 del self._live[rid]
                 self._retired[rid] = lv.seq
             updates.append(SequenceUpdate(rid, prefill_tokens.get(rid, []) + kept, lv.seq.finished, rec))
+        if drafted and split is not None:
+            self._after_verify(check, lives, split, expected, sum(lv.seq.steps[-1].accepted for lv in lives),
+                               forward_s, sum(p[2] for p in proposed))
         host_s = time.perf_counter() - t_step - forward_s - sum(p[2] for p in proposed)
         if lives:
             self.host_overhead.observe(any(len(t) > 1 for t in trees), max(0.0, host_s))

@@ -528,6 +528,51 @@ def test_split_budget_prices_the_host_overhead_of_verifying_drafts():
     assert h.extra_s == 0.0  # never negative
 
 
+def test_gain_correction_scales_estimates_by_realised_over_expected_gains():
+    """The gain side's correction: 1 until a drafted step is seen, then the ratio of the EMAs of
+    realised and expected accepted draft nodes (clipped), applied as min(1, g q) in rank order."""
+    from speculation.goodput import GainCorrection
+
+    g = GainCorrection(decay=0.5)
+    assert g.factor == 1.0 and g.scale([0.9, 0.5]) == [0.9, 0.5]
+    g.observe(expected=4.0, realised=1.0)
+    assert g.factor == pytest.approx(0.25)
+    g.observe(expected=4.0, realised=3.0)  # E = 4, R = 2
+    assert g.factor == pytest.approx(0.5)
+    assert g.scale([0.9, 0.5, 0.1]) == pytest.approx([0.45, 0.25, 0.05])
+    g.observe(expected=0.0, realised=5.0)  # nothing expected: no evidence
+    assert g.factor == pytest.approx(0.5)
+    lucky = GainCorrection()
+    lucky.observe(expected=1.0, realised=9.0)
+    assert lucky.factor == GainCorrection.HIGH and lucky.scale([0.8]) == [1.0]  # clipped, q <= 1
+    unlucky = GainCorrection()
+    unlucky.observe(expected=5.0, realised=0.0)
+    assert unlucky.factor == GainCorrection.LOW
+    with pytest.raises(ValueError, match=r"GainCorrection decay must be in \[0, 1\)"):
+        GainCorrection(decay=1.0)
+
+
+def test_goodput_engine_learns_that_rejected_drafts_do_not_pay():
+    """Random trees are almost never accepted: the engine's gain correction falls to its floor,
+    so the rule verifies far fewer draft nodes late than early; outputs equal solo vanilla."""
+    from speculation.goodput import BatchCostModel, GainCorrection
+
+    target = tiny_target(_model())
+    cheap = BatchCostModel({8: {1: {1: 0.005, 64: 0.006}, 4: {1: 0.005, 64: 0.006}}})  # drafts look cheap
+    engine = BatchEngine(target, _factory("random-tree", target),
+                         BatchConfig(max_sequences=2, max_tokens_per_sequence=64, goodput=True), cost_model=cheap)
+    reqs = [Request(f"r{i}", p, 40, GREEDY, stop_at_eos=False) for i, p in enumerate(PROMPTS[1:3])]
+    results, updates = _drive(engine, reqs, [0, 0])
+    for i, p in enumerate(PROMPTS[1:3]):
+        assert results[f"r{i}"].tokens == _solo_vanilla(target, p, 40)
+    assert engine.gain_correction.observed > 0
+    assert engine.gain_correction.factor < 0.5
+    steps = [u.step for u in updates["r0"] if u.step is not None]
+    early, late = steps[: len(steps) // 3], steps[-len(steps) // 3:]
+    assert sum(s.tree_size for s in late) < sum(s.tree_size for s in early)
+    assert min(s.stats["goodput_gain_correction"] for s in late) <= GainCorrection.LOW + 0.2
+
+
 def test_split_budget_prices_the_context_and_the_correction():
     from speculation.goodput import BatchCostModel, CostCorrection, split_budget
 
@@ -696,7 +741,9 @@ def test_goodput_charges_drafting_to_the_trees_and_steps_aside_when_it_costs_mor
             assert drafted[0] == 0 and probes == drafted[1:], (drafted, probes)
             gaps = [b - a for a, b in zip(drafted, drafted[1:])]
             assert gaps == sorted(gaps) and gaps[-1] > gaps[0], gaps  # the backoff doubles
-    assert drafted_share["_SlowRetrieval"] < 0.3 < 0.7 < drafted_share["_CountingRetrieval"], drafted_share
+    # the cheap drafter drafts in most steps (fewer than every one: the gain correction scales its
+    # estimates by the tokens drafted steps really gained), the slow one only in its probes
+    assert drafted_share["_SlowRetrieval"] < 0.3 < 0.5 < drafted_share["_CountingRetrieval"], drafted_share
 
 
 def test_goodput_opens_ranks_by_doubling_and_new_sequences_start_from_the_pool():
