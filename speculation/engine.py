@@ -704,6 +704,8 @@ class BatchEngine:
                             drafting_spent=spent, verify_overhead_s=self.host_overhead.extra_s)
 
     MAX_PROBE_EVERY = 64
+    PROBE_DRAFTS = 1
+    """Draft nodes a probe may verify per sequence (its best one)."""
 
     def _drafting_check(self, lives: list[_Live], caps: list[int]) -> DraftingCheck:
         """Before drafting: could any draft node pay this step, drafting included?
@@ -719,7 +721,8 @@ class BatchEngine:
           than what the drafts are expected to gain (a neural drafter's forwards on a CPU), or
           estimates that the realised gains scaled down (:attr:`gain_correction`). They are not
           re-measured while drafting is skipped, so every ``probe_every``-th such step drafts
-          anyway (PROBE) and verifies what the uncorrected estimates grant; a probe that did not
+          anyway (PROBE) and verifies what the uncorrected estimates grant of each sequence's best
+          :attr:`PROBE_DRAFTS` draft node(s); a probe that did not
           pay in realised tokens (:meth:`_after_verify`) doubles ``probe_every`` (up to
           :attr:`MAX_PROBE_EVERY`), a drafted step that paid resets it to 1.
         """
@@ -775,8 +778,12 @@ class BatchEngine:
         expected = 0.0
         if self._goodput and lives:
             assert self.cost_model is not None
-            split = self._split(lives, [len(t) - 1 for t in trees], sum(p[2] for p in proposed),
-                                corrected=check is not DraftingCheck.PROBE)
+            probe = check is DraftingCheck.PROBE
+            # a probe tests the uncorrected estimates on each sequence's best draft node only: the
+            # cheapest step that re-measures them (a probe granted whole trees on raw estimates
+            # verified 43 tokens for 2 extra at B = 8)
+            room = [min(len(t) - 1, self.PROBE_DRAFTS if probe else len(t) - 1) for t in trees]
+            split = self._split(lives, room, sum(p[2] for p in proposed), corrected=not probe)
             drafted = not skip and any(p[1] is not None for p in proposed)
             if drafted:
                 self._after_drafting(lives, proposed)
