@@ -54,7 +54,7 @@ import torch
 
 from cluster.backend import RayTargetBackend, ShardTimeoutError, wait_pipeline
 from speculation.config import BatchLayout
-from speculation.target import PrefillForward, TreeForward
+from speculation.target import PrefillForward, TreeForward, check_step_rows, split_step_outputs
 from speculation.tree import DraftTree
 from workers.shard import (
     BatchStepInput,
@@ -209,15 +209,18 @@ class RayBatchTarget(RayTargetBackend):
         flat = all(layout is BatchLayout.FLAT for layout in ray.get(layouts))
         self.batch_layout = BatchLayout.FLAT if flat else BatchLayout.PADDED
         """How the shards lay a batched step out (what the goodput rule's cost model assumes)."""
-        self.folds_prefills = flat
-        """Whether :meth:`step_batch` can prefill arriving prompts inside the step's one call per
-        shard (every shard runs the lean loop's flat rows); else each prompt takes its own
-        pipeline pass (:meth:`prefill_slot`)."""
         self._stale: set[int] = set()  # restarted shards whose pools are not re-prefilled yet
         self.recoveries = 0
         """Shard restarts recovered so far (pools recreated and live sequences re-prefilled)."""
         self.batch_calls = 0
         """Batched verify steps sent (each one call per shard)."""
+
+    @property
+    def folds_prefills(self) -> bool:
+        """Whether :meth:`step_batch` can prefill arriving prompts inside the step's one call per
+        shard (every shard runs the lean loop's flat rows); else each prompt takes its own
+        pipeline pass (:meth:`prefill_slot`)."""
+        return self.batch_layout is BatchLayout.FLAT
 
     # ------------------------------------------------------------------ slot API
     def new_slot_pool(self, max_sequences: int, max_tokens: int) -> RaySlotPool:
@@ -286,17 +289,10 @@ class RayBatchTarget(RayTargetBackend):
         replays) once the step succeeded."""
         import ray
 
-        if len(states) != len(trees) or not (states or prefills):
-            raise ValueError("step_batch needs one tree per state and at least one row")
         if prefills and not self.folds_prefills:
             raise RuntimeError("prefills fold into the batched step only when every shard runs flat rows")
+        pool = check_step_rows(states, trees, prefills)
         every = [*states, *(p[0] for p in prefills)]
-        pool = every[0].pool
-        if any(s.pool is not pool for s in every):
-            raise ValueError("all states of one batch must live in the same KV pool")
-        for s, ids in prefills:
-            if s.length != 0 or not ids:
-                raise ValueError("a prefill row needs an empty slot (empty_slot) and a non-empty prompt")
         sizes = [len(t) for t in trees]
         prompt_sizes = [len(ids) for _, ids in prefills]
         if any(s.length + t > pool.max_tokens for s, t in zip(every, sizes + prompt_sizes)):
@@ -321,20 +317,9 @@ class RayBatchTarget(RayTargetBackend):
         logits_w, aux_parts = self._split(self._with_recovery(submit, what))
         self.batch_calls += 1
         pool.compactions = []
-        logits = logits_w.to_torch()  # [sum T_b (+ P), V]: tree nodes, then each prompt's last token
         aux = self._aux(aux_parts) if need_aux else None  # [sum T_b + sum n_p, 3H]
-        fwds = []
-        offsets = np.cumsum([0, *sizes, *prompt_sizes]).tolist()
-        for b, (state, t) in enumerate(zip(states, sizes)):
-            lo, hi = offsets[b], offsets[b + 1]
-            fwds.append(TreeForward(logits=logits[lo:hi], aux_hidden=aux[lo:hi] if aux is not None else None))
-            state.length += t  # provisional: commit_slot() cuts back to the accepted path
-        starts = []
-        n_tree = offsets[len(trees)]
-        for p, (state, ids) in enumerate(prefills):
-            lo, hi = offsets[len(trees) + p], offsets[len(trees) + p + 1]
-            starts.append(PrefillForward(logits=logits[n_tree + p], aux_hidden=aux[lo:hi] if aux is not None else None))
-            state.length, state.tokens = len(ids), list(ids)
+        fwds, starts = split_step_outputs(states, trees, prefills, logits_w.to_torch(), aux)
+        for state, _ in prefills:
             pool.live[state.held_slot()] = state
         return fwds, starts
 

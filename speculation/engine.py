@@ -645,7 +645,7 @@ class BatchEngine:
     def _folds(self) -> bool:
         """Whether arriving prompts are prefilled inside the step's forward (``config.fold_prefills``
         and a target whose ``folds_prefills`` says it can)."""
-        return self.config.fold_prefills and bool(getattr(self.target, "folds_prefills", False))
+        return self.config.fold_prefills and self.target.folds_prefills
 
     def _new_sequence(self, request: Request) -> _Sequence:
         drafter = self.drafter_factory() if self.drafter_factory is not None else None
@@ -782,7 +782,7 @@ class BatchEngine:
             # a probe tests the uncorrected estimates on each sequence's best draft node only: the
             # cheapest step that re-measures them (a probe granted whole trees on raw estimates
             # verified 43 tokens for 2 extra at B = 8)
-            room = [min(len(t) - 1, self.PROBE_DRAFTS if probe else len(t) - 1) for t in trees]
+            room = [min(len(t) - 1, self.PROBE_DRAFTS) if probe else len(t) - 1 for t in trees]
             split = self._split(lives, room, sum(p[2] for p in proposed), corrected=not probe)
             drafted = not skip and any(p[1] is not None for p in proposed)
             if drafted:

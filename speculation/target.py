@@ -16,6 +16,7 @@ indices ``[2, L // 2, L - 3]`` (the inputs of layers 2, L/2 and L-3), concatenat
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -370,43 +371,19 @@ class TargetModel:
         (their states hold the prompt); the tree rows are provisional until :meth:`commit_slot`.
         Returns (one :class:`TreeForward` per tree, one :class:`PrefillForward` per prompt).
         """
-        if len(states) != len(trees) or not (states or prefills):
-            raise ValueError("step_batch needs one tree per state and at least one row")
         if self._lean() is None:
             raise RuntimeError("step_batch needs the lean forward (FLAT layout; see TargetModel.folds_prefills)")
-        prompt_states = [s for s, _ in prefills]
-        every = [*states, *prompt_states]
-        pool = every[0].pool
-        if any(s.pool is not pool for s in every):
-            raise ValueError("all states of one batch must live in the same KV pool")
-        for s, ids in prefills:
-            if s.length != 0 or not ids:
-                raise ValueError("a prefill row needs an empty slot (TargetModel.empty_slot) and a non-empty prompt")
-        slots = [s.held_slot() for s in every]
+        pool = check_step_rows(states, trees, prefills)
+        every = [*states, *(s for s, _ in prefills)]
         bases = [s.length for s in states] + [0] * len(prefills)
         sizes = [len(t) for t in trees] + [len(ids) for _, ids in prefills]
-        cache = pool.batch_cache(slots, bases, sizes, flat=True)
+        cache = pool.batch_cache([s.held_slot() for s in every], bases, sizes, flat=True)
         input_ids, positions, rows = ragged_tree_inputs([t.to_tensors() for t in trees], bases[: len(trees)],
                                                         self.device, prompts=[ids for _, ids in prefills])
-        offsets = rows.offsets
-        n_tree = sum(sizes[: len(trees)])
-        # logits at every tree node, and at each prompt's last token: [n_tree + P] indices
-        last = [offsets[len(trees) + p] + sizes[len(trees) + p] - 1 for p in range(len(prefills))]
-        keep = torch.tensor([*range(n_tree), *last], dtype=torch.long, device=self.device) if prefills else None
+        kept = step_kept_rows(sizes[: len(trees)], sizes[len(trees):])
+        keep = None if kept is None else torch.tensor(kept, dtype=torch.long, device=self.device)
         logits, hidden = self._forward(input_ids, cache, positions, need_aux=need_aux, rows=rows, keep=keep)
-        aux_all = self._aux(hidden) if need_aux else None  # [sum T_b, 3H]
-        fwds = []
-        for state, o, t in zip(states, offsets, sizes):
-            aux = aux_all[o : o + t] if aux_all is not None else None
-            fwds.append(TreeForward(logits=logits[0, o : o + t], aux_hidden=aux))
-            state.length += t  # provisional: commit_slot() cuts back to the accepted path
-        starts = []
-        for p, (state, ids) in enumerate(prefills):
-            o, n = offsets[len(trees) + p], len(ids)
-            aux = aux_all[o : o + n] if aux_all is not None else None
-            starts.append(PrefillForward(logits=logits[0, n_tree + p], aux_hidden=aux))
-            state.length, state.tokens = n, list(ids)
-        return fwds, starts
+        return split_step_outputs(states, trees, prefills, logits[0], self._aux(hidden) if need_aux else None)
 
     @torch.inference_mode()
     def commit_slot(self, state: SlotState, tree: DraftTree, accepted: list[int]) -> None:
@@ -521,6 +498,56 @@ def ragged_tree_inputs(
     masks += [None] * len(prompts)
     sizes = (*n_tree, *(len(p) for p in prompts))
     return ids.view(1, -1).to(device), positions.view(1, -1).to(device), RaggedRows(sizes=sizes, masks=tuple(masks))
+
+
+def check_step_rows(states: Sequence, trees: Sequence[DraftTree], prefills: Sequence[tuple]):
+    """Validate one batched step's rows (``step_batch`` of the in-process and the Ray target): one
+    tree per state, at least one row, every state in one pool, each prefill an empty slot with a
+    non-empty prompt. Returns that pool."""
+    if len(states) != len(trees) or not (states or prefills):
+        raise ValueError("step_batch needs one tree per state and at least one row")
+    every = [*states, *(s for s, _ in prefills)]
+    pool = every[0].pool
+    if any(s.pool is not pool for s in every):
+        raise ValueError("all states of one batch must live in the same KV pool")
+    for s, ids in prefills:
+        if s.length != 0 or not ids:
+            raise ValueError("a prefill row needs an empty slot (empty_slot) and a non-empty prompt")
+    return pool
+
+
+def step_kept_rows(tree_sizes: Sequence[int], prompt_sizes: Sequence[int]) -> list[int] | None:
+    """Flat indices whose logits a batched step keeps: every tree node, then each prompt's last
+    token (rows are the trees' tokens, then the prompts'); None without prompts (every row)."""
+    if not prompt_sizes:
+        return None
+    n_tree = sum(tree_sizes)
+    ends = list(itertools.accumulate(prompt_sizes, initial=n_tree))[1:]
+    return [*range(n_tree), *(e - 1 for e in ends)]
+
+
+def split_step_outputs(
+    states: Sequence, trees: Sequence[DraftTree], prefills: Sequence[tuple],
+    logits: torch.Tensor, aux: torch.Tensor | None,
+) -> tuple[list[TreeForward], list[PrefillForward]]:
+    """A batched step's outputs per row, and its states advanced. ``logits`` ``[K, V]``: the
+    :func:`step_kept_rows` (every tree node, then each prompt's last token); ``aux`` ``[N, 3H]``
+    over every row (trees' tokens, then prompts') or None. Tree rows are provisional until
+    ``commit_slot``; a prefilled state now holds its prompt."""
+    sizes = [len(t) for t in trees] + [len(ids) for _, ids in prefills]
+    offsets = list(itertools.accumulate(sizes, initial=0))
+    n_tree = offsets[len(trees)]
+    fwds = []
+    for b, state in enumerate(states):
+        lo, hi = offsets[b], offsets[b + 1]
+        fwds.append(TreeForward(logits=logits[lo:hi], aux_hidden=aux[lo:hi] if aux is not None else None))
+        state.length += hi - lo  # provisional: commit_slot() cuts back to the accepted path
+    starts = []
+    for p, (state, ids) in enumerate(prefills):
+        lo, hi = offsets[len(trees) + p], offsets[len(trees) + p + 1]
+        starts.append(PrefillForward(logits=logits[n_tree + p], aux_hidden=aux[lo:hi] if aux is not None else None))
+        state.length, state.tokens = len(ids), list(ids)
+    return fwds, starts
 
 
 def causal_positions(past_len: int, length: int, device: torch.device) -> torch.Tensor:

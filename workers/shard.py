@@ -59,10 +59,11 @@ from speculation.lean_forward import LeanLayers, PackedGemm
 from speculation.output_head import PackedLinear, packed_path_applies
 from speculation.target import (
     batch_tree_attention_inputs,
-    ragged_tree_inputs,
     causal_positions,
     compact_kv,
     eos_token_ids,
+    ragged_tree_inputs,
+    step_kept_rows,
     tree_attention_inputs,
 )
 from speculation.tree import TreeTensors
@@ -187,14 +188,10 @@ class BatchStepInput:
         return [int(t[0].shape[0]) for t in self.trees] + [int(p.shape[0]) for p in self.prompts]
 
     def kept_rows(self) -> list[int] | None:
-        """Flat indices whose logits the step returns: every tree node, then each prompt's last
-        token; None when there are no prompts (every row)."""
-        if not self.prompts:
-            return None
+        """Flat indices whose logits the step returns (:func:`~speculation.target.step_kept_rows`):
+        every tree node, then each prompt's last token; None when there are no prompts."""
         sizes = self.sizes()
-        n_tree = sum(sizes[: len(self.trees)])
-        ends = np.cumsum(sizes)[len(self.trees):] - 1
-        return [*range(n_tree), *(int(e) for e in ends)]
+        return step_kept_rows(sizes[: len(self.trees)], sizes[len(self.trees):])
 
 
 class UnknownPoolError(KeyError):
