@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from speculation.tree import DraftTree, NodeSource
@@ -41,9 +42,11 @@ DEFAULT_CONTEXTS = (64, DEFAULT_CONTEXT, 1024)
 """Context lengths c(T, L) is measured at by :func:`measure_cost_model` (those that fit the target)."""
 
 
-def interp(xs: Sequence[int], ys: Sequence[float], x: float, extrapolate: bool) -> float:
+def interp(xs: Sequence[int], ys: Sequence[Any], x: float, extrapolate: bool) -> Any:
     """Piecewise-linear y(x); below the first point flat, beyond the last linear in the last
-    (non-negative) slope when ``extrapolate``, else flat."""
+    (non-negative) slope when ``extrapolate``, else flat. The ``ys`` may be floats or equal-shaped
+    numpy arrays (then every element is interpolated at the same ``x``, the slope clipped per
+    element)."""
     if x <= xs[0]:
         return ys[0]
     j = bisect.bisect_left(xs, x)
@@ -51,7 +54,7 @@ def interp(xs: Sequence[int], ys: Sequence[float], x: float, extrapolate: bool) 
         if len(xs) == 1 or not extrapolate:
             return ys[-1]
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return ys[-1] + max(slope, 0.0) * (x - xs[-1])
+        return ys[-1] + np.maximum(slope, 0.0) * (x - xs[-1])
     x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 

@@ -70,6 +70,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from speculation.config import BatchLayout
@@ -113,15 +114,40 @@ class BatchCostModel:
 
     def cost(self, batch: int, row_tokens: float, context: float) -> float:
         """c(batch, row_tokens, context) in seconds (class docstring)."""
-        ls = sorted(self.grid)
-        per_l = []
-        for L in ls:
-            by_b = self.grid[L]
-            bs = sorted(by_b)
-            per_b = [interp(sorted(by_b[b]), [by_b[b][t] for t in sorted(by_b[b])], row_tokens, extrapolate=True)
-                     for b in bs]
-            per_l.append(interp(bs, per_b, batch, extrapolate=False))
-        return interp(ls, per_l, context, extrapolate=True)
+        return float(self.costs(batch, [row_tokens], context)[0])
+
+    def costs(self, batch: int, row_tokens: Sequence[float] | np.ndarray, context: float) -> np.ndarray:
+        """c(batch, t, context) for every t of ``row_tokens`` at once (``[n]`` seconds): the
+        split scans hundreds of row sizes per step at one (batch, context), and interpolating
+        each one by one cost milliseconds of host time per step at B = 8."""
+        t = np.asarray(row_tokens, dtype=np.float64)
+        per_l = [interp(bs, [_row_curve(ts, secs, t) for ts, secs in curves], batch, extrapolate=False)
+                 for bs, curves in self._tables()]
+        return interp(sorted(self.grid), per_l, context, extrapolate=True)
+
+    def _tables(self) -> list[tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]]:
+        """Per context (ascending): the batch sizes (ascending) and each one's (row sizes, seconds)."""
+        cached = self.__dict__.get("_tables_cache")
+        if cached is None:
+            cached = []
+            for L in sorted(self.grid):
+                by_b = self.grid[L]
+                bs = sorted(by_b)
+                curves = [(np.array(sorted(by_b[b]), dtype=np.float64),
+                           np.array([by_b[b][t] for t in sorted(by_b[b])], dtype=np.float64)) for b in bs]
+                cached.append((bs, curves))
+            object.__setattr__(self, "_tables_cache", cached)  # frozen: the grid never changes
+        return cached
+
+
+def _row_curve(ts: np.ndarray, seconds: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """:func:`~speculation.cost.interp` in t (flat below the first row size, the last non-negative
+    slope beyond the largest) at every element of ``t``."""
+    out = np.interp(t, ts, seconds)
+    if len(ts) > 1:
+        slope = max((seconds[-1] - seconds[-2]) / (ts[-1] - ts[-2]), 0.0)
+        out = out + slope * np.maximum(t - ts[-1], 0.0)
+    return out
 
 
 class CostCorrection:
@@ -293,8 +319,10 @@ def split_budget(
     L = max(contexts) if contexts is not None else 0
     # prefix[b][n] = sum of sequence b's n best q's
     prefix = [list(itertools.accumulate(q, initial=0.0)) for q in qs]
+    sizes = 2 + max(len(q) for q in qs)
+    row_costs = correction * cost.costs(B, range(sizes), L)  # [sizes]: c(B, t, L) at t = 0 .. sizes - 1
     best: Split | None = None
-    for t in range(1, 2 + max(len(q) for q in qs)):
+    for t in range(1, sizes):
         if room is None or sum(min(len(q), t - 1) for q in qs) <= room:
             drafts = [min(len(q), t - 1) for q in qs]
             acc = B + sum(p[n] for p, n in zip(prefix, drafts))
@@ -308,7 +336,7 @@ def split_budget(
                     acc += q
                     taken += 1
         rows = 1 + max(drafts)
-        fwd = correction * cost.cost(B, rows, L)
+        fwd = float(row_costs[rows])
         d = (drafting_s if drafting_spent or rows > 1 else 0.0) + (verify_overhead_s if rows > 1 else 0.0)
         cand = Split(drafts, acc, fwd + d, fwd, rows)
         if best is None or cand.tokens_per_s > best.tokens_per_s:
@@ -329,21 +357,22 @@ def _split_flat(
     verify_overhead_s: float,
 ) -> Split:
     """:func:`split_budget` for a FLAT step: the D largest q's (``ranked``: (q, rank, sequence),
-    descending) for the D in 0 .. room that maximises G(D) (module docstring)."""
+    descending) for the D in 0 .. room that maximises G(D) (module docstring); every G(D) at once::
+
+        acc[D] = B + sum_{i < D} ranked[i].q          [top + 1]
+        G[D]   = acc[D] / (k c(B, 1 + D / B, L) + d[D])
+
+    the first D of the largest G wins (a larger D only on a strict gain)."""
     top = len(ranked) if room is None else min(room, len(ranked))
-    drafts, acc = [0] * B, float(B)
-    best: Split | None = None
-    for D in range(top + 1):
-        if D:
-            q, _, b = ranked[D - 1]
-            drafts[b] += 1
-            acc += q
-        fwd = correction * cost.cost(B, 1 + D / B, context)
-        d = (drafting_s if drafting_spent or D else 0.0) + (verify_overhead_s if D else 0.0)
-        if best is None or acc / (fwd + d) > best.tokens_per_s:
-            best = Split(list(drafts), acc, fwd + d, fwd, 1 + max(drafts))
-    assert best is not None
-    return best
+    D = np.arange(top + 1)
+    acc = float(B) + np.concatenate(([0.0], np.cumsum([q for q, _, _ in ranked[:top]], dtype=np.float64)))
+    fwd = correction * cost.costs(B, 1 + D / B, context)
+    d = np.where(D > 0, drafting_s + verify_overhead_s, drafting_s if drafting_spent else 0.0)
+    best = int(np.argmax(acc / (fwd + d)))
+    drafts = [0] * B
+    for _, _, b in ranked[:best]:
+        drafts[b] += 1
+    return Split(drafts, float(acc[best]), float(fwd[best] + d[best]), float(fwd[best]), 1 + max(drafts))
 
 
 @torch.inference_mode()
