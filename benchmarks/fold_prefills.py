@@ -1,16 +1,20 @@
-"""Prefills folded into the batched step against a prefill forward per arriving request, side by side.
+"""Prefills folded into the batched step against a prefill forward per arriving request (or, with
+``--chunk C``, chunked prefill against whole-prompt prefill), side by side.
 
     .venv/bin/python benchmarks/fold_prefills.py --dtype float32 --json benchmarks/results/fold_prefills_fp32.json
+    .venv/bin/python benchmarks/fold_prefills.py --dtype float32 --chunk 128 --json benchmarks/results/chunked_prefill_fp32.json
 
 Runs the closed loop of ``graftblock bench --concurrency`` (:func:`~speculation.bench.runner.run_concurrency`:
 N clients, each sending the next Spec-Bench first turn when its request ends) through
 :class:`~speculation.engine.BatchEngine` twice per repeat: with ``fold_prefills`` on (an arriving
 prompt is one more causal row of the step's flat forward) and off (each arriving prompt gets its
-own forward before the step). The arms alternate run by run (which arm goes first alternates
-too), so a drifting host hits both alike. Reports per N and arm the median over ``--repeats`` of
-total tokens/s, TTFT p50/p99 and ITL p50/p99, and the paired ratio folded / unfolded per repeat
-(median, and how many repeats were faster), plus whether both arms equal solo vanilla token for
-token (greedy).
+own forward before the step); with ``--chunk C``, ``prefill_chunk_tokens=C`` (a long prompt is
+prefilled C tokens per step) against whole prompts (both folded). The arms alternate run by run
+(which arm goes first alternates too), so a drifting host hits both alike. Reports per N and arm
+the median over ``--repeats`` of total tokens/s, TTFT p50/p99 and ITL p50/p99, and the paired
+ratio first arm / second arm per repeat (median, and how many repeats were faster), plus whether
+each arm equals its solo vanilla run token for token (greedy; the chunked arm's solo run chunks
+alike).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ARMS = {"folded": True, "unfolded": False}
+FOLD_ARMS = {"folded": {"fold_prefills": True}, "unfolded": {"fold_prefills": False}}
 FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
 
 
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--goodput", action="store_true")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="compare prefill_chunk_tokens=CHUNK against whole-prompt prefill instead")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     try:
@@ -45,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--concurrency values must be >= 1, got {args.concurrency!r}")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.chunk is not None and args.chunk < 1:
+        ap.error(f"--chunk must be >= 1, got {args.chunk}")
+    arms = FOLD_ARMS if args.chunk is None else {f"chunked {args.chunk}": {"prefill_chunk_tokens": args.chunk},
+                                                 "whole": {}}
 
     import torch
 
@@ -63,17 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(methods=(args.method,), model=args.model, dtype=DType.parse(args.dtype),
                       max_new_tokens=args.max_new_tokens, sampling=greedy)
     prompts = [assets.encode_turn(target.tokenizer, [], q.turns[0]) for q in questions]
-    refs = [generate_vanilla(target, p, EngineConfig(max_new_tokens=args.max_new_tokens, sampling=greedy)).tokens
-            for p in prompts]
-    run_concurrency(cfg, target, questions[:2], [2], refs=refs[:2])  # warm-up: oneDNN primitives, drafter set-up
+    refs = {arm: [generate_vanilla(target, p, EngineConfig(max_new_tokens=args.max_new_tokens, sampling=greedy,
+                                                           prefill_chunk_tokens=kw.get("prefill_chunk_tokens"))).tokens
+                  for p in prompts] for arm, kw in arms.items()}
+    first = next(iter(arms))
+    run_concurrency(cfg, target, questions[:2], [2], refs=refs[first][:2], **arms[first])  # warm-up: oneDNN, drafters
 
-    runs: dict[int, dict[str, list[dict]]] = {n: {a: [] for a in ARMS} for n in levels}
+    runs: dict[int, dict[str, list[dict]]] = {n: {a: [] for a in arms} for n in levels}
     for r in range(args.repeats):
-        order = list(ARMS) if r % 2 == 0 else list(ARMS)[::-1]
+        order = list(arms) if r % 2 == 0 else list(arms)[::-1]
         for n in levels:
             for arm in order:
-                level = run_concurrency(cfg, target, questions, [n], goodput=args.goodput,
-                                        fold_prefills=ARMS[arm], refs=refs)[str(n)]
+                level = run_concurrency(cfg, target, questions, [n], goodput=args.goodput, refs=refs[arm],
+                                        **arms[arm])[str(n)]
                 runs[n][arm].append(level["methods"][args.method])
                 print(f"repeat {r + 1}/{args.repeats} N={n} {arm}: "
                       f"{level['methods'][args.method]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
@@ -84,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         for a, ms in runs[n].items():
             arms[a]["lossless"] = all(m["lossless"] is True for m in ms)
             arms[a]["steps"] = statistics.median(m["steps"] for m in ms)
-        ratios = sorted(f["tokens_per_s"] / u["tokens_per_s"] for f, u in zip(runs[n]["folded"], runs[n]["unfolded"]))
+        a0, a1 = (runs[n][a] for a in arms)
+        ratios = sorted(f["tokens_per_s"] / u["tokens_per_s"] for f, u in zip(a0, a1))
         result[n] = {"arms": arms, "ratio_tokens_per_s_paired": ratios,
                      "ratio_median": statistics.median(ratios), "repeats_faster": sum(x > 1.0 for x in ratios)}
     out = {
@@ -92,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["benchmarks/fold_prefills.py", *(argv if argv is not None else sys.argv[1:])]),
         "env": environment(), "model": args.model, "dtype": args.dtype, "method": args.method,
         "goodput": args.goodput, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "chunk": args.chunk, "prompt_tokens": sorted(len(p) for p in prompts),
         "repeats": args.repeats, "concurrency": {str(n): v for n, v in result.items()},
     }
     emit_json(out, args.json)

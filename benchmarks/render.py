@@ -57,6 +57,7 @@ SECTIONS: dict[str, str] = {
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
     "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
+    "chunked_prefill_fp32": "Continuous batching: chunked prefill against whole-prompt prefill (fp32)",
     "concurrency_specbench_fp32_drafting_charged_to_vanilla": "Continuous batching (fp32), the same run before the goodput fix: drafting seconds charged to the vanilla split too",
     "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
     "serve_load_threads_1": "Serving: replica torch threads, 1 (80 requests; pair of the next table)",
@@ -530,12 +531,14 @@ def render_grad_terms(res: dict) -> list[str]:
 
 
 def render_fold_prefills(res: dict) -> list[str]:
-    """Prefills folded into the step against their own forwards: per N and arm, medians over repeats."""
+    """Prefills folded into the step against their own forwards (or chunked against whole prompts):
+    per N and arm, medians over repeats."""
+    names = list(next(iter(res["concurrency"].values()))["arms"])
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}`"
              f"{' (goodput rule)' if res.get('goodput') else ''}: {res['prompts']} Spec-Bench first turns, "
              f"{res['max_new_tokens']} new tokens each, closed loop; medians of {res['repeats']} repeats, arms "
              "alternating run by run.", "",
-             "| N | arm | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | lossless | folded / unfolded tok/s (paired) |",
+             f"| N | arm | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | lossless | {' / '.join(names)} tok/s (paired) |",
              "|---|---|---|---|---|---|---|"]
     for n, level in res["concurrency"].items():
         ratios = ", ".join(_f(r, 2) for r in level["ratio_tokens_per_s_paired"])

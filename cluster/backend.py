@@ -143,11 +143,15 @@ class RayTargetBackend:
 
     # ------------------------------------------------------------------ TargetBackend
     def prefill(
-        self, ids: list[int], need_aux: bool = False
+        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None
     ) -> tuple[RayTargetState, torch.Tensor, torch.Tensor | None]:
-        """Run the prompt on a new sequence. Returns (state, logits ``[V]``, aux ``[n, 3H]`` or None)."""
+        """Run the prompt on a new sequence. Returns (state, logits ``[V]``, aux ``[n, 3H]`` or None).
+        Chunked prefill (``chunk_tokens``) is not built over shards: a clear error."""
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
+        if chunk_tokens is not None:
+            raise ValueError("engine.prefill_chunk_tokens: chunked prefill is not built over Ray shards "
+                             "(a shard prefills a prompt in one pass); leave it unset with --ray")
         state = RayTargetState(seq_id=self._new_seq())
         step = StepInput(
             kind=StepKind.PREFILL,

@@ -222,6 +222,12 @@ class RayBatchTarget(RayTargetBackend):
         pipeline pass (:meth:`prefill_slot`)."""
         return self.batch_layout is BatchLayout.FLAT
 
+    @property
+    def chunks_prefills(self) -> bool:
+        """Chunked prefill (a prompt continued in a slot holding its earlier chunks) is not built
+        over shards: a shard's prompt rows start at an empty slot."""
+        return False
+
     # ------------------------------------------------------------------ slot API
     def new_slot_pool(self, max_sequences: int, max_tokens: int) -> RaySlotPool:
         """A pool of ``max_sequences`` slots of ``max_tokens`` rows on every shard."""

@@ -147,6 +147,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     levels = _parse_concurrency(args.concurrency)
     if levels and args.ray:
         _check_ray_concurrency_methods(list(cfg.methods), method_configs)
+    if args.prefill_chunk_tokens is not None:  # the batch settings, checked before the weights load
+        from speculation.config import BatchConfig
+
+        BatchConfig(fold_prefills=args.fold_prefills, prefill_chunk_tokens=args.prefill_chunk_tokens)
+        if args.ray:
+            raise ConfigError("--prefill-chunk-tokens: chunked prefill is not built over Ray shards; drop it or --ray")
     device = _check_device(args.device)
     store = _open_store(args)  # a bad tracking store fails now, not after the run
     target = _load_target(cfg.model, cfg.dtype.value, device)
@@ -178,7 +184,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             result["concurrency"] = run_concurrency(cfg, batch_target, questions, levels, method_configs,
                                                     goodput=args.goodput, progress=cprogress,
-                                                    fold_prefills=args.fold_prefills)
+                                                    fold_prefills=args.fold_prefills,
+                                                    prefill_chunk_tokens=args.prefill_chunk_tokens)
             cbar.close()
     if args.ray:
         result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
@@ -306,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fold-prefills", action=argparse.BooleanOptionalAction, default=True,
                    help="--concurrency: prefill arriving prompts inside the batched step's forward where the "
                         "target allows it (the lean loop's flat batch); --no-fold-prefills gives each its own forward")
+    b.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="--concurrency: chunked prefill, at most this many prompt tokens of one request per step "
+                        "(in-process flat target; the solo references chunk alike)")
     b.add_argument("--device", default="cpu", help="cpu | cuda (the in-process target and drafters)")
     b.add_argument("--json", required=True, help="where to write the result JSON")
     _add_tracking_args(b)

@@ -153,9 +153,15 @@ class EngineConfig:
     stop_at_eos: bool = True
     """Stop at the tokenizer's end-of-sequence token(s)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prefill_chunk_tokens: int | None = None
+    """Prefill the prompt in forwards of at most this many tokens (``TargetModel.prefill``'s
+    ``chunk_tokens``); None = one forward. The batched engine's ``batch.prefill_chunk_tokens``
+    gives the same bits as this solo loop with the same value. Range [1, 1048576]."""
 
     def __post_init__(self) -> None:
         _check_int("engine", "max_new_tokens", self.max_new_tokens, 1, 65536)
+        if self.prefill_chunk_tokens is not None:
+            _check_int("engine", "prefill_chunk_tokens", self.prefill_chunk_tokens, 1, 1 << 20)
 
 
 class StagedTreeConfig(Protocol):
@@ -751,6 +757,15 @@ class BatchConfig:
     flat pass) where the target supports it (``TargetModel.folds_prefills``: the FLAT layout),
     instead of one forward per arriving prompt before the step. The outputs are the same bits
     either way (tested); False is the A/B baseline."""
+    prefill_chunk_tokens: int | None = None
+    """Chunked prefill: an arriving prompt longer than this is prefilled over several steps, one
+    chunk of this many tokens per step (tokens ``jC .. (j+1)C - 1`` at step j, whatever else the
+    step holds), so one long prompt no longer stalls every live sequence for its whole prefill
+    (vLLM's chunked prefill bounds it the same way). The chunk boundaries depend only on the prompt,
+    so each sequence's output equals the solo loop's with ``engine.prefill_chunk_tokens`` equal to
+    this bit for bit; against an unchunked prefill it equals up to summation order. Needs
+    ``fold_prefills`` and a target that ``chunks_prefills`` (the in-process FLAT target). None = a
+    prompt is prefilled in one step. Range [1, 1048576]."""
 
     def __post_init__(self) -> None:
         o = "batch"
@@ -764,3 +779,8 @@ class BatchConfig:
         _check_int(o, "max_waiting", self.max_waiting, 0, 1 << 20)
         if not isinstance(self.fold_prefills, bool):
             raise ConfigError(f"{o}.fold_prefills must be true or false, got {self.fold_prefills!r}")
+        if self.prefill_chunk_tokens is not None:
+            _check_int(o, "prefill_chunk_tokens", self.prefill_chunk_tokens, 1, 1 << 20)
+            if not self.fold_prefills:
+                raise ConfigError(f"{o}.prefill_chunk_tokens needs {o}.fold_prefills true (a chunk rides in a "
+                                  f"step's forward), got fold_prefills false")

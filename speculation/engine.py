@@ -75,8 +75,12 @@ class TargetBackend(Protocol[StateT]):
         """Raise ``ContextLengthError`` if prompt + new tokens do not fit the context window."""
         ...
 
-    def prefill(self, ids: list[int], need_aux: bool = False) -> tuple[StateT, torch.Tensor, torch.Tensor | None]:
-        """Start a sequence: (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
+    def prefill(
+        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None
+    ) -> tuple[StateT, torch.Tensor, torch.Tensor | None]:
+        """Start a sequence: (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None);
+        ``chunk_tokens``: in forwards of at most that many tokens (chunked prefill), or a clear
+        error where the backend does not chunk."""
         ...
 
     def decode(self, state: StateT, token: int) -> torch.Tensor:
@@ -318,7 +322,7 @@ def _run_solo(
     stop = target.eos_token_ids if cfg.stop_at_eos else frozenset()
     seq = _Sequence(list(prompt_ids), cfg.max_new_tokens, cfg.sampling, stop, drafter, feedback)
     timed = drafter if isinstance(drafter, VerifyTimed) else None  # its c(T) learns from each verify
-    state, logits, prompt_aux = target.prefill(prompt_ids, need_aux=seq.needs_aux)
+    state, logits, prompt_aux = target.prefill(prompt_ids, need_aux=seq.needs_aux, chunk_tokens=cfg.prefill_chunk_tokens)
     try:
         seq.start(logits, prompt_aux)
         while seq.finished is None:
@@ -448,6 +452,8 @@ class _Live:
     draft_size: float | None = None
     """EMA of the draft nodes (root excluded) this sequence's drafter proposed when called; None
     until it has drafted once (the pre-drafting check then assumes a full tree)."""
+    prompt_aux: list[torch.Tensor] = field(default_factory=list)
+    """A chunked prefill's aux features of the chunks run so far (each ``[c, 3H]``), when its drafter reads them."""
 
     SIZE_DECAY = 0.8
 
@@ -547,6 +553,12 @@ class BatchEngine:
         """Steps skipped on expected sizes before a probe (1, 2, 4, ... up to :attr:`MAX_PROBE_EVERY`)."""
         self.pooled_ranks = RankAcceptance(config.max_tree_tokens)
         """Acceptance by rank over every sequence's verified trees: a new sequence's starting estimate."""
+        if config.prefill_chunk_tokens is not None and not target.chunks_prefills:
+            raise ValueError("batch.prefill_chunk_tokens needs a target that continues a prompt in its slot "
+                             "(chunks_prefills: the in-process target with the lean FLAT forward); this one "
+                             "does not, so leave it unset")
+        self._prefilling: dict[str, _Live] = {}
+        """Chunked prefills under way (``config.prefill_chunk_tokens``): their slots hold the chunks so far."""
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
@@ -591,7 +603,7 @@ class BatchEngine:
                 self._waiting.remove(r)
                 self._aborted.append(SequenceUpdate(request_id, [], FinishReason.ABORT, None))
                 return
-        live = self._live.pop(request_id, None)
+        live = self._live.pop(request_id, None) or self._prefilling.pop(request_id, None)
         if live is None:
             return
         self.target.release_slot(live.state)
@@ -601,7 +613,7 @@ class BatchEngine:
         self._aborted.append(SequenceUpdate(request_id, [], FinishReason.ABORT, None))
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._live or self._aborted)
+        return bool(self._waiting or self._live or self._prefilling or self._aborted)
 
     def finished_results(self) -> dict[str, GenerationResult]:
         """Full results (tokens, seconds, step records) of the sequences whose final update the
@@ -616,6 +628,11 @@ class BatchEngine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_prefilling(self) -> int:
+        """Sequences whose chunked prefill is under way (they hold a slot, not yet a token)."""
+        return len(self._prefilling)
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[SequenceUpdate]:
         """Admit waiting requests (prefill), then one batched draft + verify step over all live
@@ -624,7 +641,7 @@ class BatchEngine:
         self._aborted = []
         self._retired, self._aborted_seqs = self._aborted_seqs, {}
         prefill_tokens: dict[str, list[int]] = {}
-        arriving: list[_Live] = []
+        arriving: list[_Live] = list(self._prefilling.values())  # chunked prompts go on first
         while self._waiting and self.pool.free:
             request = self._waiting.popleft()
             if self._folds:
@@ -803,19 +820,20 @@ class BatchEngine:
         need_aux = any(lv.seq.needs_aux for lv in (*lives, *arriving))
         tb = time.perf_counter()
         starts = []
+        prompts = [(a.state, self._next_chunk(a)) for a in arriving]
         try:
             if arriving:
-                prompts = [(a.state, a.seq.prompt_ids) for a in arriving]
                 fwds, starts = self.target.step_batch([lv.state for lv in lives], trees, prompts, need_aux=need_aux)
             else:
                 fwds = self.target.verify_batch([lv.state for lv in lives], trees, need_aux=need_aux)
         except BaseException:  # the arriving requests wait again, first in line; nothing is lost
-            for a in reversed(arriving):
+            for a in reversed(arriving):  # (a chunked prefill starts over)
+                self._prefilling.pop(a.request.request_id, None)
                 self.target.release_slot(a.state)
                 self._waiting.appendleft(a.request)
             raise
         forward_s = time.perf_counter() - tb
-        prompt_tokens = sum(len(a.seq.prompt_ids) for a in arriving)
+        prompt_tokens = sum(len(chunk) for _, chunk in prompts)
         if split is not None and not arriving:  # the grid's prediction (uncorrected) against the forward
             self.cost_correction.observe(split.forward_s / self.cost_correction.factor, forward_s)
         stats = {"batch_size": float(len(lives)), "batch_tree_tokens": float(sum(len(t) for t in trees)),
@@ -841,8 +859,25 @@ class BatchEngine:
         if lives:
             self.host_overhead.observe(any(len(t) > 1 for t in trees), max(0.0, host_s))
         for a, start in zip(arriving, starts):
+            rid = a.request.request_id
+            if a.state.length < len(a.seq.prompt_ids):  # a chunk: the prompt goes on next step
+                self._prefilling[rid] = a
+                if start.aux_hidden is not None and a.seq.needs_aux:
+                    a.prompt_aux.append(start.aux_hidden)
+                continue
+            self._prefilling.pop(rid, None)
+            if a.prompt_aux and start.aux_hidden is not None:
+                start = PrefillForward(logits=start.logits, aux_hidden=torch.cat([*a.prompt_aux, start.aux_hidden]))
+                a.prompt_aux = []
             updates.append(self._start(a, start))
         return updates
+
+    def _next_chunk(self, arriving: _Live) -> list[int]:
+        """The prompt tokens this step prefills for ``arriving``: the rest of its prompt, or with
+        ``config.prefill_chunk_tokens`` C the next C of them (its slot holds the earlier chunks)."""
+        prompt, done = arriving.seq.prompt_ids, arriving.state.length
+        c = self.config.prefill_chunk_tokens
+        return prompt[done:] if c is None else prompt[done: done + c]
 
     def _start(self, arrived: _Live, start: PrefillForward) -> SequenceUpdate:
         """After its prompt was prefilled in the step's forward: the first token, the drafter's

@@ -203,16 +203,36 @@ class TargetModel:
         return out.logits, (out.hidden_states if need_aux else None)
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], need_aux: bool = False) -> tuple[TargetState, torch.Tensor, torch.Tensor | None]:
-        """Run the prompt. Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
+    def prefill(
+        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None
+    ) -> tuple[TargetState, torch.Tensor, torch.Tensor | None]:
+        """Run the prompt. Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None).
+
+        ``chunk_tokens``: run it in forwards of at most that many tokens (chunked prefill), chunk
+        j being tokens ``jC .. (j+1)C - 1``: the first causal over itself, each later one over the
+        cached chunks before it and causally over itself (:func:`chunk_attention_inputs`), the
+        calls a batched step makes for a chunked prompt row, so the batched engine's chunked
+        prefill gives these bits. Equal to the one-forward prefill up to summation order."""
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
+        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                         or chunk_tokens < 1):
+            raise ValueError(f"prefill chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
         state = TargetState(cache=reserve_rows(DynamicCache(config=self.model.config)))
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
-        logits, hidden = self._forward(input_ids, _cache(state), keep_last=True, need_aux=need_aux)
+        step = len(ids) if chunk_tokens is None else chunk_tokens
+        auxes = []
+        for lo in range(0, len(ids), step):
+            chunk = ids[lo: lo + step]
+            input_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)  # [1, c]
+            mask, positions = chunk_attention_inputs(lo, len(chunk), self.device)
+            logits, hidden = self._forward(input_ids, _cache(state), positions, mask, keep_last=True,
+                                           need_aux=need_aux,
+                                           cache_position=None if mask is None else positions[0])
+            if need_aux:
+                auxes.append(self._aux(hidden))
         state.length = len(ids)
         state.tokens = list(ids)
-        return state, logits[0, -1], (self._aux(hidden) if need_aux else None)
+        return state, logits[0, -1], (torch.cat(auxes) if need_aux else None)
 
     @torch.inference_mode()
     def decode(self, state: TargetState, token: int) -> torch.Tensor:
@@ -305,6 +325,12 @@ class TargetModel:
         (the FLAT layout: a prompt is one more causal row of the packed pass)."""
         return self.batch_layout is BatchLayout.FLAT
 
+    @property
+    def chunks_prefills(self) -> bool:
+        """Whether :meth:`step_batch` can continue a prompt in a slot that holds its earlier chunks
+        (chunked prefill, ``BatchConfig.prefill_chunk_tokens``): wherever it folds prefills."""
+        return self.folds_prefills
+
     def empty_slot(self, pool: KVSlotPool) -> SlotState:
         """A free slot of ``pool`` holding nothing yet, for a prompt that :meth:`step_batch` prefills."""
         if not self.folds_prefills:
@@ -361,11 +387,13 @@ class TargetModel:
     ) -> tuple[list[TreeForward], list[PrefillForward]]:
         """ONE flat forward that verifies ``trees[b]`` for ``states[b]`` (as :meth:`verify_batch`)
         and prefills each ``(state, prompt)`` of ``prefills`` into its empty slot
-        (:meth:`empty_slot`), the FLAT layout only (:attr:`folds_prefills`).
+        (:meth:`empty_slot`), or, for a chunked prefill, after the prompt's earlier chunks that its
+        slot holds, the FLAT layout only (:attr:`folds_prefills`).
 
         A prompt of n tokens is one more row of the packed pass: positions ``0..n-1``, causal
         attention over its own keys (the solo :meth:`prefill`'s SDPA call), and logits at its last
-        token only. So its next-token logits and features equal a solo :meth:`prefill` bit for bit
+        token only; a later chunk of n tokens after s prefilled ones takes positions ``s..s+n-1``
+        and the solo chunked :meth:`prefill`'s masked call. So its next-token logits and features equal a solo :meth:`prefill` bit for bit
         where the GEMM kernels are batch-invariant (tested), and the weights stream once for the
         whole step instead of once more per arriving request. The prompts' rows are committed
         (their states hold the prompt); the tree rows are provisional until :meth:`commit_slot`.
@@ -373,13 +401,14 @@ class TargetModel:
         """
         if self._lean() is None:
             raise RuntimeError("step_batch needs the lean forward (FLAT layout; see TargetModel.folds_prefills)")
-        pool = check_step_rows(states, trees, prefills)
+        pool = check_step_rows(states, trees, prefills, chunked=True)
         every = [*states, *(s for s, _ in prefills)]
-        bases = [s.length for s in states] + [0] * len(prefills)
+        bases = [s.length for s in every]
         sizes = [len(t) for t in trees] + [len(ids) for _, ids in prefills]
         cache = pool.batch_cache([s.held_slot() for s in every], bases, sizes, flat=True)
         input_ids, positions, rows = ragged_tree_inputs([t.to_tensors() for t in trees], bases[: len(trees)],
-                                                        self.device, prompts=[ids for _, ids in prefills])
+                                                        self.device, prompts=[ids for _, ids in prefills],
+                                                        prompt_past=bases[len(trees):])
         kept = step_kept_rows(sizes[: len(trees)], sizes[len(trees):])
         keep = None if kept is None else torch.tensor(kept, dtype=torch.long, device=self.device)
         logits, hidden = self._forward(input_ids, cache, positions, need_aux=need_aux, rows=rows, keep=keep)
@@ -441,6 +470,23 @@ def tree_attention_inputs(
     return mask, positions
 
 
+def chunk_attention_inputs(
+    past_len: int, length: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Mask and positions of a prompt chunk of ``length`` tokens after ``past_len`` cached ones.
+
+    A first chunk (``past_len = 0``) and a one-token chunk need none: (None, None), the plain
+    causal call. Otherwise the chunk is a chain over the cache::
+
+        M[0, 0, i, :] = [1] * n ++ [j <= i for j < T]     # [1, 1, T, n + T] bool
+        position_i    = n + i                             # [1, T] int64
+    """
+    if past_len == 0 or length == 1:
+        return None, None
+    chain = torch.ones(length, length, dtype=torch.bool).tril_()  # [T, T]: i sees j <= i
+    return tree_attention_inputs(chain, torch.arange(length), past_len, device)
+
+
 def batch_tree_attention_inputs(
     trees: list, past_lens: list[int], kv_len: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -473,7 +519,8 @@ def batch_tree_attention_inputs(
 
 
 def ragged_tree_inputs(
-    trees: list, past_lens: list[int], device: torch.device, prompts: Sequence[Sequence[int]] = ()
+    trees: list, past_lens: list[int], device: torch.device, prompts: Sequence[Sequence[int]] = (),
+    prompt_past: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, RaggedRows]:
     """Token ids, positions and rows of one flat (ragged) batched forward: tree rows, then prompts.
 
@@ -485,25 +532,32 @@ def ragged_tree_inputs(
         mask_b                = [1]*n_b ++ A_b  (tree_attention_inputs)     # [1, 1, T_b, n_b + T_b]
 
     and ``mask_b`` is None for a one-token row (a decode step: it attends to every key of its row).
-    Each prompt of ``prompts`` (a prefill into an empty slot) follows as one row of its n tokens at
-    positions ``0..n-1`` with ``mask`` None (causal over its own keys, as a solo prefill).
+    Each prompt of ``prompts`` follows as one row of its n tokens at positions ``s..s+n-1``, ``s``
+    its slot's prefilled tokens (``prompt_past``, None: all 0): a prefill of an empty slot has
+    ``mask`` None (causal over its own keys, as a solo prefill); a later chunk of a chunked prefill
+    attends to its slot's earlier chunks and causally to itself (:func:`chunk_attention_inputs`).
     """
+    past = [0] * len(prompts) if prompt_past is None else list(prompt_past)
+    if len(past) != len(prompts):
+        raise ValueError("ragged_tree_inputs needs one prompt_past per prompt")
     n_tree = [int(tt.tokens.shape[0]) for tt in trees]
     ids = torch.cat([*(tt.tokens for tt in trees), *(torch.tensor(p, dtype=torch.long) for p in prompts)])
     positions = torch.cat([*(tt.depths.to(torch.long) + n for tt, n in zip(trees, past_lens)),
-                           *(torch.arange(len(p), dtype=torch.long) for p in prompts)])
+                           *(torch.arange(s, s + len(p), dtype=torch.long) for p, s in zip(prompts, past))])
     masks: list[torch.Tensor | None] = []
     for tt, n, t in zip(trees, past_lens, n_tree):
         masks.append(None if t == 1 else tree_attention_inputs(tt.ancestor_mask, tt.depths, n, device)[0])
-    masks += [None] * len(prompts)
+    masks += [chunk_attention_inputs(s, len(p), device)[0] for p, s in zip(prompts, past)]
     sizes = (*n_tree, *(len(p) for p in prompts))
     return ids.view(1, -1).to(device), positions.view(1, -1).to(device), RaggedRows(sizes=sizes, masks=tuple(masks))
 
 
-def check_step_rows(states: Sequence, trees: Sequence[DraftTree], prefills: Sequence[tuple]):
+def check_step_rows(states: Sequence, trees: Sequence[DraftTree], prefills: Sequence[tuple],
+                    chunked: bool = False):
     """Validate one batched step's rows (``step_batch`` of the in-process and the Ray target): one
-    tree per state, at least one row, every state in one pool, each prefill an empty slot with a
-    non-empty prompt. Returns that pool."""
+    tree per state, at least one row, every state in one pool, each prefill a non-empty prompt
+    into an empty slot (``chunked``: or a slot holding that prompt's earlier chunks). Returns that
+    pool."""
     if len(states) != len(trees) or not (states or prefills):
         raise ValueError("step_batch needs one tree per state and at least one row")
     every = [*states, *(s for s, _ in prefills)]
@@ -511,7 +565,7 @@ def check_step_rows(states: Sequence, trees: Sequence[DraftTree], prefills: Sequ
     if any(s.pool is not pool for s in every):
         raise ValueError("all states of one batch must live in the same KV pool")
     for s, ids in prefills:
-        if s.length != 0 or not ids:
+        if not ids or (s.length != 0 and not chunked):
             raise ValueError("a prefill row needs an empty slot (empty_slot) and a non-empty prompt")
     return pool
 
@@ -533,7 +587,7 @@ def split_step_outputs(
     """A batched step's outputs per row, and its states advanced. ``logits`` ``[K, V]``: the
     :func:`step_kept_rows` (every tree node, then each prompt's last token); ``aux`` ``[N, 3H]``
     over every row (trees' tokens, then prompts') or None. Tree rows are provisional until
-    ``commit_slot``; a prefilled state now holds its prompt."""
+    ``commit_slot``; a prefilled state now holds its prompt (or chunk, after the earlier ones)."""
     sizes = [len(t) for t in trees] + [len(ids) for _, ids in prefills]
     offsets = list(itertools.accumulate(sizes, initial=0))
     n_tree = offsets[len(trees)]
@@ -546,7 +600,8 @@ def split_step_outputs(
     for p, (state, ids) in enumerate(prefills):
         lo, hi = offsets[len(trees) + p], offsets[len(trees) + p + 1]
         starts.append(PrefillForward(logits=logits[n_tree + p], aux_hidden=aux[lo:hi] if aux is not None else None))
-        state.length, state.tokens = len(ids), list(ids)
+        state.length += len(ids)
+        state.tokens.extend(ids)
     return fwds, starts
 
 

@@ -209,6 +209,80 @@ def test_prefills_fold_into_the_step_forward_with_the_same_tokens(name, monkeypa
     assert outs[True] == outs[False] == {f"r{i}": ref for i, ref in enumerate(refs)}
 
 
+@pytest.mark.parametrize("name", ["vanilla", "retrieval", "eagle3", "graft"])
+def test_chunked_prefill_equals_the_solo_chunked_run(name):
+    """``prefill_chunk_tokens=4``: a prompt of n tokens is prefilled over ceil(n / 4) steps (one
+    chunk per step, beside the live sequences' trees), each sequence's output equals its solo run
+    with the same chunked prefill (EAGLE-3 and Graft read the features of every chunk), and no
+    step prefills more than one chunk per prompt."""
+    C = 4
+    target = tiny_target(_model("flat"))
+    refs = [generate_vanilla(target, p, EngineConfig(max_new_tokens=n, stop_at_eos=False, sampling=GREEDY,
+                                                     prefill_chunk_tokens=C)).tokens
+            for p, n in zip(PROMPTS, NEW)]
+    engine = BatchEngine(target, _factory(name, target),
+                         BatchConfig(max_sequences=4, max_tokens_per_sequence=64, prefill_chunk_tokens=C))
+    reqs = [Request(f"r{i}", p, n, GREEDY, stop_at_eos=False) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+    results, updates = {}, {r.request_id: [] for r in reqs}
+    first_token_step, seen_prefilling = {}, 0
+    pending, step = sorted(zip(ARRIVE, range(len(reqs)))), 0
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= step:
+            engine.add(reqs[pending.pop(0)[1]])
+        for u in engine.step():
+            updates[u.request_id].append(u)
+            if u.new_tokens:
+                first_token_step.setdefault(u.request_id, step)
+        seen_prefilling = max(seen_prefilling, engine.num_prefilling)
+        results.update(engine.finished_results())
+        step += 1
+        assert step < 1000
+    for i, (p, ref) in enumerate(zip(PROMPTS, refs)):
+        assert results[f"r{i}"].tokens == ref, f"{name}, request {i}: {_margin_report(target.model, p, ref, results[f'r{i}'].tokens)}"
+        _check_updates(updates[f"r{i}"], results[f"r{i}"], NEW[i])
+        chunks = -(-len(p) // C)
+        assert first_token_step[f"r{i}"] - ARRIVE[i] >= chunks - 1  # one chunk per step at most
+    steps = [u.step for ups in updates.values() for u in ups if u.step is not None]
+    assert seen_prefilling >= 1 and max(s.stats["batch_prefill_tokens"] for s in steps) <= C * 4
+    assert engine.pool.free == 4 and engine.num_prefilling == 0
+
+
+def test_chunked_prefill_refuses_targets_and_settings_that_cannot_chunk(monkeypatch):
+    """Bad settings get errors naming the field; a target that cannot continue a prompt in its slot
+    is refused at construction, not mid-request; an abort mid-prefill frees the slot at once; a
+    failed step requeues a half-prefilled request, which then completes unchanged."""
+    with pytest.raises(ConfigError, match="batch.prefill_chunk_tokens must be in \\[1, 1048576\\], got"):
+        BatchConfig(prefill_chunk_tokens=0)
+    with pytest.raises(ConfigError, match="prefill_chunk_tokens needs batch.fold_prefills true"):
+        BatchConfig(prefill_chunk_tokens=8, fold_prefills=False)
+    with pytest.raises(ConfigError, match="engine.prefill_chunk_tokens must be in \\[1, 1048576\\], got"):
+        EngineConfig(prefill_chunk_tokens=-1)
+    padded = tiny_target(_model("padded"))
+    with pytest.raises(ValueError, match="batch.prefill_chunk_tokens needs a target that continues a prompt"):
+        BatchEngine(padded, None, BatchConfig(max_sequences=2, max_tokens_per_sequence=64, prefill_chunk_tokens=4))
+    target = tiny_target(_model("flat"))
+    engine = BatchEngine(target, None, BatchConfig(max_sequences=2, max_tokens_per_sequence=64, prefill_chunk_tokens=4))
+    engine.add(Request("long", PROMPTS[4], 5, GREEDY, stop_at_eos=False))  # 20 tokens: 5 chunks
+    engine.step()
+    assert engine.num_prefilling == 1 and engine.pool.free == 1
+    engine.abort("long")
+    assert engine.num_prefilling == 0 and engine.pool.free == 2
+    assert [u.finished for u in engine.step()] == [FinishReason.ABORT]
+    engine.add(Request("again", PROMPTS[4], 5, GREEDY, stop_at_eos=False))
+    engine.step()
+    engine.step()
+    real = target.step_batch
+    monkeypatch.setattr(target, "step_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.num_prefilling == 0 and engine.num_waiting == 1 and engine.pool.free == 2
+    monkeypatch.setattr(target, "step_batch", real)
+    results = engine.run([])
+    ref = generate_vanilla(target, PROMPTS[4], EngineConfig(max_new_tokens=5, stop_at_eos=False, sampling=GREEDY,
+                                                            prefill_chunk_tokens=4)).tokens
+    assert results["again"].tokens == ref
+
+
 def test_a_failed_folded_step_requeues_the_arriving_requests(monkeypatch):
     """If the step's forward fails, the requests whose prompts it was to prefill wait again (first
     in line, slots freed); the next step runs them and nothing is lost or corrupted."""

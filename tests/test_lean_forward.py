@@ -186,6 +186,64 @@ def test_batched_verify_equals_the_solo_verify_bit_for_bit(dtype, request):
             assert st.tokens == so.tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_prefill_rows_equal_the_solo_chunked_prefill_bit_for_bit(dtype, request):
+    """Chunked prefill: a 199-token and a 47-token prompt prefilled 32 tokens per batched step
+    (each later chunk a masked row over its slot's earlier chunks) beside a live sequence that
+    verifies trees, give the logits and features of the solo chunked prefill (``prefill(...,
+    chunk_tokens=32)``) bit for bit wherever the GEMMs are batch-invariant, and the KV they leave
+    verifies like the solo one. The chunked prefill equals the one-forward prefill to rounding."""
+    import random
+
+    from tests.helpers import random_tree
+
+    model, tok = _load(dtype, request)
+    target = TargetModel(model, tok)
+    exact = _gemms_batch_invariant(model)
+    C = 32
+    texts = ["Hi", "List three prime numbers and explain why they are prime, then name a fourth one.",
+             "Translate 'good morning, my friend' into French, please. " * 12]
+    prompts = [assets.encode_turn(tok, [], t) for t in texts]
+    assert len(prompts[2]) > 3 * C and C < len(prompts[1]) < 2 * C
+    pool = target.new_slot_pool(3, 512)
+    live = target.prefill_slot(pool, prompts[0])[0]
+    live_solo = target.prefill(prompts[0])[0]
+    arriving = [target.empty_slot(pool) for _ in prompts[1:]]
+    solo = [target.prefill(p, need_aux=True, chunk_tokens=C) for p in prompts[1:]]
+    whole = [target.prefill(p, need_aux=True) for p in prompts[1:]]
+    rng = random.Random(5)
+    got: dict[int, tuple] = {}
+    auxes: dict[int, list] = {0: [], 1: []}
+    while len(got) < 2:
+        tree = random_tree(rng, live.tokens[-1], 2000, max_nodes=4)
+        rows = [(a, p[a.length: a.length + C]) for a, p in zip(arriving, prompts[1:]) if a.length < len(p)]
+        fwds, starts = target.step_batch([live], [tree], rows, need_aux=True)
+        ref = target.verify(live_solo, tree)
+        assert torch.equal(fwds[0].logits, ref.logits) if exact else _close(fwds[0].logits, ref.logits) is None
+        target.commit_slot(live, tree, [0])
+        target.commit(live_solo, tree, [0])
+        for (a, _), start in zip(rows, starts):
+            p = arriving.index(a)
+            auxes[p].append(start.aux_hidden)
+            if a.length == len(prompts[1 + p]):
+                got[p] = (start.logits, torch.cat(auxes[p]))
+    for p in range(2):
+        (s_logits, s_aux), (w_state, w_logits, w_aux) = got[p], whole[p]
+        state, logits, aux = solo[p]
+        assert arriving[p].tokens == prompts[1 + p] and s_aux.shape == aux.shape
+        if exact:
+            assert torch.equal(s_logits, logits) and torch.equal(s_aux, aux), (
+                f"prompt {p}: chunked rows against the solo chunked prefill, max |diff| "
+                f"{float((s_logits - logits).abs().max())}")
+        else:
+            _close(s_logits, logits)
+        _close(logits, w_logits)  # chunked against one forward: to rounding
+        tree = random_tree(rng, prompts[1 + p][-1], 2000, max_nodes=6)
+        fwd = target.verify_batch([arriving[p]], [tree])[0]
+        ref = target.verify(state, tree)
+        assert torch.equal(fwd.logits, ref.logits) if exact else _close(fwd.logits, ref.logits) is None
+
+
 def test_the_lean_loop_is_used_only_where_the_model_qualifies_and_autograd_is_off(smol_fp32):
     lean = LeanDecoder.from_model(smol_fp32.model)
     assert lean is not None

@@ -244,6 +244,7 @@ def run_concurrency(
     progress: Callable[[int, int, str], None] | None = None,
     fold_prefills: bool = True,
     refs: list[list[int]] | None = None,
+    prefill_chunk_tokens: int | None = None,
 ) -> dict:
     """Closed-loop clients over :class:`~speculation.engine.BatchEngine`, per concurrency N and method.
 
@@ -257,8 +258,10 @@ def run_concurrency(
     mean tree tokens granted per sequence step (the budget split). On CUDA, timestamps are taken
     after ``torch.cuda.synchronize``. ``progress(done, total, "N=<n> <method>")`` is called as each
     request finishes. ``fold_prefills``: ``BatchConfig.fold_prefills`` (arriving prompts prefilled
-    inside the step's forward; False is the A/B baseline). ``refs``: the solo vanilla outputs of
-    the first turns when already known (greedy), else computed here.
+    inside the step's forward; False is the A/B baseline). ``prefill_chunk_tokens``:
+    ``BatchConfig.prefill_chunk_tokens`` (chunked prefill; the solo references then chunk alike).
+    ``refs``: the solo vanilla outputs of the first turns when already known (greedy), else
+    computed here.
     """
     from speculation.config import BatchConfig, SamplingConfig
     from speculation.engine import BatchEngine, Request
@@ -269,7 +272,8 @@ def run_concurrency(
     specs = resolve_methods(names, method_configs)
     tok = target.tokenizer
     prompts = [assets.encode_turn(tok, [], q.turns[0]) for q in questions]
-    engine_cfg = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling)
+    engine_cfg = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling,
+                              prefill_chunk_tokens=prefill_chunk_tokens)
     if refs is None and cfg.sampling.greedy:
         refs = [generate_vanilla(target, p, engine_cfg).tokens for p in prompts]
     elif not cfg.sampling.greedy:
@@ -285,7 +289,8 @@ def run_concurrency(
             if factory is not None:
                 factory()  # one-time set-up outside the timed loop: e.g. the c(T) a cost-aware drafter measures
             engine = BatchEngine(target, factory, BatchConfig(max_sequences=n, max_tokens_per_sequence=slot_len,
-                                                              goodput=goodput, fold_prefills=fold_prefills))
+                                                              goodput=goodput, fold_prefills=fold_prefills,
+                                                              prefill_chunk_tokens=prefill_chunk_tokens))
             added: dict[str, float] = {}
             last: dict[str, float] = {}
             ttft: list[float] = []
@@ -355,7 +360,8 @@ def run_concurrency(
         base = methods[BASELINE]["tokens_per_s"]
         for m in methods.values():
             m["speedup"] = m["tokens_per_s"] / base
-        level: dict[str, Any] = {"methods": methods, "fold_prefills": fold_prefills}
+        level: dict[str, Any] = {"methods": methods, "fold_prefills": fold_prefills,
+                                 "prefill_chunk_tokens": prefill_chunk_tokens}
         peer_rows: dict[str, dict] = {}
         for peer in parse_peers(",".join(cfg.peers)):
             if peer == Peer.HF_GENERATE:
