@@ -11,7 +11,7 @@ prompt is one more causal row of the step's flat forward) and off (each arriving
 own forward before the step); with ``--chunk C``, ``prefill_chunk_tokens=C`` (a long prompt is
 prefilled C tokens per step) against whole prompts (both folded). The arms alternate run by run
 (which arm goes first alternates too), so a drifting host hits both alike. Reports per N and arm
-the median over ``--repeats`` of total tokens/s, TTFT p50/p99 and ITL p50/p99, and the paired
+the median over ``--repeats`` of total tokens/s, TTFT p50/p99 and ITL p50/p99/max, and the paired
 ratio first arm / second arm per repeat (median, and how many repeats were faster), plus whether
 each arm equals its solo vanilla run token for token (greedy; the chunked arm's solo run chunks
 alike).
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 FOLD_ARMS = {"folded": {"fold_prefills": True}, "unfolded": {"fold_prefills": False}}
-FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
+FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,8 @@ SECTIONS: dict[str, str] = {
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
     "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
-    "chunked_prefill_fp32": "Continuous batching: chunked prefill against whole-prompt prefill (fp32)",
+    "chunked_prefill_fp32": "Continuous batching: chunked prefill (128-token chunks) against whole-prompt prefill (retrieval, goodput rule, fp32)",
+    "chunked_prefill_c64_fp32": "Continuous batching: chunked prefill (64-token chunks) against whole-prompt prefill (retrieval, goodput rule, fp32)",
     "concurrency_specbench_fp32_drafting_charged_to_vanilla": "Continuous batching (fp32), the same run before the goodput fix: drafting seconds charged to the vanilla split too",
     "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
     "serve_load_threads_1": "Serving: replica torch threads, 1 (80 requests; pair of the next table)",
@@ -538,7 +539,7 @@ def render_fold_prefills(res: dict) -> list[str]:
              f"{' (goodput rule)' if res.get('goodput') else ''}: {res['prompts']} Spec-Bench first turns, "
              f"{res['max_new_tokens']} new tokens each, closed loop; medians of {res['repeats']} repeats, arms "
              "alternating run by run.", "",
-             f"| N | arm | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | lossless | {' / '.join(names)} tok/s (paired) |",
+             f"| N | arm | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 / max ms | lossless | {' / '.join(names)} tok/s (paired) |",
              "|---|---|---|---|---|---|---|"]
     for n, level in res["concurrency"].items():
         ratios = ", ".join(_f(r, 2) for r in level["ratio_tokens_per_s_paired"])
@@ -546,7 +547,7 @@ def render_fold_prefills(res: dict) -> list[str]:
             cell = (f"{_f(level['ratio_median'], 2, '×')} median ({ratios}); faster in "
                     f"{level['repeats_faster']} of {len(level['ratio_tokens_per_s_paired'])}") if i == 0 else ""
             lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} "
-                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {_f(m['lossless'])} | {cell} |")
+                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} / {_ms(m.get('itl_max_s'))} | {_f(m['lossless'])} | {cell} |")
     return lines
 
 

@@ -252,7 +252,7 @@ def run_concurrency(
     request ends (the engine admits it at the next step), until every prompt is answered. Per N and
     method: ``tokens_per_s`` (all output tokens / wall seconds), ``request_tokens_per_s`` (mean of
     each request's tokens / its seconds from add to finish), TTFT and inter-token latency p50/p99
-    (a step that emits k tokens counts k gaps of its duration / k), ``tau`` (mean tokens gained per
+    and the longest gap (a step that emits k tokens counts k gaps of its duration / k), ``tau`` (mean tokens gained per
     verify step), ``speedup`` (÷ batched vanilla at the same N) and ``lossless`` (greedy: every
     request equals its solo vanilla output; else the match rate; None when sampling), plus the
     mean tree tokens granted per sequence step (the budget split). On CUDA, timestamps are taken
@@ -346,6 +346,7 @@ def run_concurrency(
                 "ttft_p99_s": _percentile(ttft, 0.99),
                 "itl_p50_s": _percentile(itl, 0.5),
                 "itl_p99_s": _percentile(itl, 0.99),
+                "itl_max_s": max(itl) if itl else None,
                 "tau": sum(s.tokens_gained for s in spec_steps) / len(spec_steps) if spec_steps else None,
                 "mean_tree_tokens_per_seq_step": (sum(s.tree_size for s in spec_steps) / len(spec_steps)
                                                   if spec_steps else None),
