@@ -66,6 +66,8 @@ SECTIONS: dict[str, str] = {
     "serve_adaptive_static": "Adaptive serving, baseline: EAGLE-3 on the domain-shift stream with the learner static (2 streaming clients, fp32)",
     "serve_adaptive_learner": "Adaptive serving, learner on, rounds inside the learner's feed call (before the inbox; 2 clients, fp32)",
     "serve_adaptive_learner_inbox": "Adaptive serving, learner on, rounds in the learner's background thread (2 clients, fp32)",
+    "serve_adaptive_static_pair": "Adaptive serving, baseline re-run: learner off (pair of the next table; 2 clients, fp32)",
+    "serve_adaptive_guarded": "Adaptive serving, learner on with the paired swap guard, recency-weighted training, a 20% exploration budget and audits of kept updates (2 clients, fp32)",
     "goodput_calibration_n8_fp32": "Goodput rule with the gain correction: retrieval against batched vanilla, side by side (N = 8, fp32)",
     "goodput_calibration_n16_fp32": "Goodput rule: predicted against measured step seconds, side by side with batched vanilla (N = 16, fp32)",
     "output_head_fp32": "Target output head: nn.Linear against the transposed head, vanilla decoding side by side (fp32)",
