@@ -247,6 +247,26 @@ def test_chunked_prefill_equals_the_solo_chunked_run(name):
     assert engine.pool.free == 4 and engine.num_prefilling == 0
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_solo_chunked_prefill_equals_the_one_forward_prefill_to_rounding(layout):
+    """``TargetModel.prefill(..., chunk_tokens=C)`` on both layouts (the lean loop's masked chunk
+    rows, transformers' masked forward): next-token logits and aux features equal the one-forward
+    prefill's to fp32 rounding for every chunk size, one-token last chunks included, and the KV it
+    leaves decodes the same logits. A bad chunk size is refused by name."""
+    target = tiny_target(_model(layout))
+    prompt = PROMPTS[3] + PROMPTS[4]  # 33 tokens
+    state, logits, aux = target.prefill(prompt, need_aux=True)
+    ref_next = target.decode(state, 9)
+    for c in (1, 4, 8, 16, 32, 33, 100):
+        st, lg, ax = target.prefill(prompt, need_aux=True, chunk_tokens=c)
+        assert st.length == len(prompt) and st.tokens == prompt and ax.shape == aux.shape
+        torch.testing.assert_close(lg, logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ax, aux, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(target.decode(st, 9), ref_next, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="prefill chunk_tokens must be a positive integer or None, got 0"):
+        target.prefill(prompt, chunk_tokens=0)
+
+
 def test_chunked_prefill_refuses_targets_and_settings_that_cannot_chunk(monkeypatch):
     """Bad settings get errors naming the field; a target that cannot continue a prompt in its slot
     is refused at construction, not mid-request; an abort mid-prefill frees the slot at once; a
