@@ -251,21 +251,35 @@ class RankAcceptance:
         self.decay = decay
         self.capacity = 0
         """Most drafter nodes one call produced so far (0 = none observed yet: every rank may exist)."""
+        self._rates: list[float] | None = None
+        """:attr:`rates` since the last change of the counts (the batch engine's goodput rule reads
+        every live sequence's estimate several times per step; recomputing them was about 1.3 ms of
+        host time per step at B = 8)."""
 
     @property
     def rates(self) -> list[float]:
-        out, cap = [], 1.0
-        for r, (s, n) in enumerate(zip(self.accepted, self.verified)):
-            cap = 0.0 if self.capacity and r >= self.capacity else min(cap, (s + 1.0) / (n + 2.0))
-            out.append(cap)
-        return out
+        return list(self._cached_rates())
+
+    def _cached_rates(self) -> list[float]:
+        """The rates list itself (computed once per change of the counts; callers must not mutate it)."""
+        if self._rates is None:
+            out, cap = [], 1.0
+            for r, (s, n) in enumerate(zip(self.accepted, self.verified)):
+                cap = 0.0 if self.capacity and r >= self.capacity else min(cap, (s + 1.0) / (n + 2.0))
+                out.append(cap)
+            self._rates = out
+        return self._rates
 
     def observe_capacity(self, drafter_nodes: int) -> None:
         """Record that one drafter call produced ``drafter_nodes`` nodes."""
-        self.capacity = max(self.capacity, drafter_nodes)
+        if drafter_nodes > self.capacity:
+            self.capacity = drafter_nodes
+            self._rates = None
 
     def update(self, ranked: list[tuple[int, bool]]) -> None:
         """``ranked``: (rank, accepted?) of every drafter node of the verified tree."""
+        if ranked:
+            self._rates = None
         for r, ok in ranked:
             if r < len(self.verified):
                 self.accepted[r] = self.decay * self.accepted[r] + float(ok)
@@ -285,7 +299,7 @@ class RankAcceptance:
 
     def estimate(self, n: int) -> list[float]:
         """``a_0 .. a_{n-1}`` (non-increasing), at most :attr:`size` of them."""
-        return self.rates[:n]
+        return self._cached_rates()[:n]
 
     @property
     def explored(self) -> int:
