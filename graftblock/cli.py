@@ -147,10 +147,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     levels = _parse_concurrency(args.concurrency)
     if levels and args.ray:
         _check_ray_concurrency_methods(list(cfg.methods), method_configs)
-    if args.prefill_chunk_tokens is not None:  # the batch settings, checked before the weights load
+    if args.prefill_chunk_tokens is not None or args.prefill_step_tokens is not None:  # checked before the weights load
         from speculation.config import BatchConfig
 
-        BatchConfig(fold_prefills=args.fold_prefills, prefill_chunk_tokens=args.prefill_chunk_tokens)
+        BatchConfig(fold_prefills=args.fold_prefills, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                    prefill_step_tokens=args.prefill_step_tokens)
         if args.ray:
             raise ConfigError("--prefill-chunk-tokens: chunked prefill is not built over Ray shards; drop it or --ray")
     device = _check_device(args.device)
@@ -185,7 +186,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result["concurrency"] = run_concurrency(cfg, batch_target, questions, levels, method_configs,
                                                     goodput=args.goodput, progress=cprogress,
                                                     fold_prefills=args.fold_prefills,
-                                                    prefill_chunk_tokens=args.prefill_chunk_tokens)
+                                                    prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                                    prefill_step_tokens=args.prefill_step_tokens)
             cbar.close()
     if args.ray:
         result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
@@ -316,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="--concurrency: chunked prefill, at most this many prompt tokens of one request per step "
                         "(in-process flat target; the solo references chunk alike)")
+    b.add_argument("--prefill-step-tokens", type=int, default=None,
+                   help="--concurrency with --prefill-chunk-tokens: at most this many prompt tokens per step over all "
+                        "arriving prompts")
     b.add_argument("--device", default="cpu", help="cpu | cuda (the in-process target and drafters)")
     b.add_argument("--json", required=True, help="where to write the result JSON")
     _add_tracking_args(b)

@@ -766,6 +766,13 @@ class BatchConfig:
     this bit for bit; against an unchunked prefill it equals up to summation order. Needs
     ``fold_prefills`` and a target that ``chunks_prefills`` (the in-process FLAT target). None = a
     prompt is prefilled in one step. Range [1, 1048576]."""
+    prefill_step_tokens: int | None = None
+    """With chunked prefill: the most prompt tokens one step prefills over all arriving prompts
+    (vLLM's ``max_num_batched_tokens`` for the prefill share). A chunk that does not fit waits for
+    a later step, and no new request is admitted past the budget, but every step with prompts
+    under way prefills at least one chunk. The chunk boundaries do not move, so outputs are the
+    same bits. None = every arriving prompt advances one chunk per step. Range
+    [prefill_chunk_tokens, 1048576]."""
 
     def __post_init__(self) -> None:
         o = "batch"
@@ -784,3 +791,7 @@ class BatchConfig:
             if not self.fold_prefills:
                 raise ConfigError(f"{o}.prefill_chunk_tokens needs {o}.fold_prefills true (a chunk rides in a "
                                   f"step's forward), got fold_prefills false")
+        if self.prefill_step_tokens is not None:
+            if self.prefill_chunk_tokens is None:
+                raise ConfigError(f"{o}.prefill_step_tokens needs {o}.prefill_chunk_tokens (it budgets the chunks)")
+            _check_int(o, "prefill_step_tokens", self.prefill_step_tokens, self.prefill_chunk_tokens, 1 << 20)

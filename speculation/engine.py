@@ -641,8 +641,15 @@ class BatchEngine:
         self._aborted = []
         self._retired, self._aborted_seqs = self._aborted_seqs, {}
         prefill_tokens: dict[str, list[int]] = {}
-        arriving: list[_Live] = list(self._prefilling.values())  # chunked prompts go on first
+        arriving = self._continuing()  # chunked prompts go on first
+        budget = self.config.prefill_step_tokens
+        used = sum(len(self._next_chunk(a)) for a in arriving)
         while self._waiting and self.pool.free:
+            if self._folds and budget is not None:
+                first = min(len(self._waiting[0].prompt_ids), self.config.prefill_chunk_tokens or budget)
+                if arriving and used + first > budget:  # admitted at a later step, when its first chunk fits
+                    break
+                used += first
             request = self._waiting.popleft()
             if self._folds:
                 arriving.append(self._arrive(request))
@@ -871,6 +878,19 @@ class BatchEngine:
                 a.prompt_aux = []
             updates.append(self._start(a, start))
         return updates
+
+    def _continuing(self) -> list[_Live]:
+        """The chunked prefills under way that advance this step: all of them, or with
+        ``config.prefill_step_tokens`` those whose next chunk fits the budget in arrival order
+        (the first always does); the others keep their slots and wait a step."""
+        budget = self.config.prefill_step_tokens
+        out, used = [], 0
+        for a in self._prefilling.values():
+            n = len(self._next_chunk(a))
+            if budget is None or not out or used + n <= budget:
+                out.append(a)
+                used += n
+        return out
 
     def _next_chunk(self, arriving: _Live) -> list[int]:
         """The prompt tokens this step prefills for ``arriving``: the rest of its prompt, or with

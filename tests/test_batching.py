@@ -247,6 +247,43 @@ def test_chunked_prefill_equals_the_solo_chunked_run(name):
     assert engine.pool.free == 4 and engine.num_prefilling == 0
 
 
+def test_prefill_step_budget_caps_the_prompt_tokens_of_every_step():
+    """``prefill_step_tokens=8`` with 4-token chunks: six requests arriving together prefill at
+    most 8 prompt tokens per step (two chunks), later arrivals wait for the budget rather than
+    taking slots, and every output still equals its solo chunked run."""
+    target = tiny_target(_model("flat"))
+    refs = [generate_vanilla(target, p, EngineConfig(max_new_tokens=n, stop_at_eos=False, sampling=GREEDY,
+                                                     prefill_chunk_tokens=4)).tokens for p, n in zip(PROMPTS, NEW)]
+    engine = BatchEngine(target, None, BatchConfig(max_sequences=6, max_tokens_per_sequence=64,
+                                                   prefill_chunk_tokens=4, prefill_step_tokens=8))
+    reqs = [Request(f"r{i}", p, n, GREEDY, stop_at_eos=False) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+    prefilled, waited = [], False
+    real = target.step_batch
+
+    def counting(states, trees, prompts, need_aux=False):
+        prefilled.append(sum(len(ids) for _, ids in prompts))
+        return real(states, trees, prompts, need_aux=need_aux)
+
+    target.step_batch = counting
+    try:
+        for r in reqs:
+            engine.add(r)
+        results = {}
+        while engine.has_work():
+            engine.step()
+            waited |= engine.num_waiting > 0 and engine.pool.free > 0
+            results.update(engine.finished_results())
+    finally:
+        del target.step_batch
+    assert max(prefilled) <= 8 and sum(prefilled) == sum(len(p) for p in PROMPTS)
+    assert waited  # a request waited for the budget with a slot free
+    assert {rid: r.tokens for rid, r in results.items()} == {f"r{i}": ref for i, ref in enumerate(refs)}
+    with pytest.raises(ConfigError, match="batch.prefill_step_tokens needs batch.prefill_chunk_tokens"):
+        BatchConfig(prefill_step_tokens=64)
+    with pytest.raises(ConfigError, match=r"batch.prefill_step_tokens must be in \[16, 1048576\], got 8"):
+        BatchConfig(prefill_chunk_tokens=16, prefill_step_tokens=8)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_solo_chunked_prefill_equals_the_one_forward_prefill_to_rounding(layout):
     """``TargetModel.prefill(..., chunk_tokens=C)`` on both layouts (the lean loop's masked chunk

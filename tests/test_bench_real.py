@@ -101,6 +101,9 @@ def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch, c
         (["--max-new-tokens", "0"], "max_new_tokens"),
         (["--temperature", "-1"], "temperature"),
         (["--peers", "vllm_medusa"], "vllm_medusa"),
+        (["--concurrency", "1,4", "--prefill-step-tokens", "64"], "batch.prefill_step_tokens needs batch.prefill_chunk_tokens"),
+        (["--concurrency", "1,4", "--prefill-chunk-tokens", "0"], "batch.prefill_chunk_tokens must be in [1, 1048576]"),
+        (["--concurrency", "1,4", "--prefill-chunk-tokens", "64", "--no-fold-prefills"], "needs batch.fold_prefills true"),
     ],
 )
 def test_cli_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):

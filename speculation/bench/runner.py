@@ -245,6 +245,7 @@ def run_concurrency(
     fold_prefills: bool = True,
     refs: list[list[int]] | None = None,
     prefill_chunk_tokens: int | None = None,
+    prefill_step_tokens: int | None = None,
 ) -> dict:
     """Closed-loop clients over :class:`~speculation.engine.BatchEngine`, per concurrency N and method.
 
@@ -259,7 +260,8 @@ def run_concurrency(
     after ``torch.cuda.synchronize``. ``progress(done, total, "N=<n> <method>")`` is called as each
     request finishes. ``fold_prefills``: ``BatchConfig.fold_prefills`` (arriving prompts prefilled
     inside the step's forward; False is the A/B baseline). ``prefill_chunk_tokens``:
-    ``BatchConfig.prefill_chunk_tokens`` (chunked prefill; the solo references then chunk alike).
+    ``BatchConfig.prefill_chunk_tokens`` (chunked prefill; the solo references then chunk alike),
+    ``prefill_step_tokens``: its per-step budget.
     ``refs``: the solo vanilla outputs of the first turns when already known (greedy), else
     computed here.
     """
@@ -290,7 +292,8 @@ def run_concurrency(
                 factory()  # one-time set-up outside the timed loop: e.g. the c(T) a cost-aware drafter measures
             engine = BatchEngine(target, factory, BatchConfig(max_sequences=n, max_tokens_per_sequence=slot_len,
                                                               goodput=goodput, fold_prefills=fold_prefills,
-                                                              prefill_chunk_tokens=prefill_chunk_tokens))
+                                                              prefill_chunk_tokens=prefill_chunk_tokens,
+                                                              prefill_step_tokens=prefill_step_tokens))
             added: dict[str, float] = {}
             last: dict[str, float] = {}
             ttft: list[float] = []
@@ -362,7 +365,7 @@ def run_concurrency(
         for m in methods.values():
             m["speedup"] = m["tokens_per_s"] / base
         level: dict[str, Any] = {"methods": methods, "fold_prefills": fold_prefills,
-                                 "prefill_chunk_tokens": prefill_chunk_tokens}
+                                 "prefill_chunk_tokens": prefill_chunk_tokens, "prefill_step_tokens": prefill_step_tokens}
         peer_rows: dict[str, dict] = {}
         for peer in parse_peers(",".join(cfg.peers)):
             if peer == Peer.HF_GENERATE:
