@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from speculation.target import TargetModel, TreeForward, default_aux_layers
-from speculation.tree import DraftTree
+from speculation.tree import DraftTree, NodeSource
 from workers.shard import StepInput, StepKind, TargetInfo
 from workers.wire import WireTensor
 
@@ -146,12 +146,27 @@ class RayTargetBackend:
         self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None
     ) -> tuple[RayTargetState, torch.Tensor, torch.Tensor | None]:
         """Run the prompt on a new sequence. Returns (state, logits ``[V]``, aux ``[n, 3H]`` or None).
-        Chunked prefill (``chunk_tokens``) is not built over shards: a clear error."""
+
+        ``chunk_tokens``: chunked prefill, as ``TargetModel.prefill``: the first chunk a prefill,
+        each later one a chain-shaped tree pass over the cached chunks (the chunk mask and
+        positions), committed whole."""
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
-        if chunk_tokens is not None:
-            raise ValueError("engine.prefill_chunk_tokens: chunked prefill is not built over Ray shards "
-                             "(a shard prefills a prompt in one pass); leave it unset with --ray")
+        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                         or chunk_tokens < 1):
+            raise ValueError(f"prefill chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
+        if chunk_tokens is not None and len(ids) > chunk_tokens:
+            state, logits, aux = self.prefill(ids[:chunk_tokens], need_aux=need_aux)
+            auxes = [aux]
+            for lo in range(chunk_tokens, len(ids), chunk_tokens):
+                chain = DraftTree(ids[lo])
+                rest = ids[lo + 1: lo + chunk_tokens]
+                chain.add_chain(0, rest, [0.0] * len(rest), NodeSource.DRAFTER)
+                fwd = self.verify(state, chain, need_aux=need_aux)
+                self.commit(state, chain, list(range(len(chain))))
+                logits = fwd.logits[-1]
+                auxes.append(fwd.aux_hidden)
+            return state, logits, (torch.cat(auxes) if need_aux else None)
         state = RayTargetState(seq_id=self._new_seq())
         step = StepInput(
             kind=StepKind.PREFILL,

@@ -224,9 +224,9 @@ class RayBatchTarget(RayTargetBackend):
 
     @property
     def chunks_prefills(self) -> bool:
-        """Chunked prefill (a prompt continued in a slot holding its earlier chunks) is not built
-        over shards: a shard's prompt rows start at an empty slot."""
-        return False
+        """Whether :meth:`step_batch` can continue a prompt in a slot holding its earlier chunks
+        (chunked prefill): wherever it folds prefills."""
+        return self.folds_prefills
 
     # ------------------------------------------------------------------ slot API
     def new_slot_pool(self, max_sequences: int, max_tokens: int) -> RaySlotPool:
@@ -290,14 +290,15 @@ class RayBatchTarget(RayTargetBackend):
     ) -> tuple[list[TreeForward], list[PrefillForward]]:
         """ONE call per shard: every tree of ``states`` verified (as :meth:`verify_batch`) and each
         ``(state, prompt)`` of ``prefills`` prefilled into its empty slot (:meth:`empty_slot`; the
-        flat layout only), as :meth:`speculation.target.TargetModel.step_batch` does in one process.
-        A prefilled sequence joins the pool's live sequences (what a re-prefill after a fault
-        replays) once the step succeeded."""
+        flat layout only), or after the earlier chunks its slot holds (chunked prefill), as
+        :meth:`speculation.target.TargetModel.step_batch` does in one process. A prefilled sequence
+        joins the pool's live sequences (what a re-prefill after a fault replays, chunks so far
+        included) once the step succeeded."""
         import ray
 
         if prefills and not self.folds_prefills:
             raise RuntimeError("prefills fold into the batched step only when every shard runs flat rows")
-        pool = check_step_rows(states, trees, prefills)
+        pool = check_step_rows(states, trees, prefills, chunked=True)
         every = [*states, *(p[0] for p in prefills)]
         sizes = [len(t) for t in trees]
         prompt_sizes = [len(ids) for _, ids in prefills]
@@ -312,6 +313,7 @@ class RayBatchTarget(RayTargetBackend):
             compactions=tuple(pool.compactions),
             prompt_slots=tuple(s.held_slot() for s, _ in prefills),
             prompts=tuple(np.asarray(ids, dtype=np.int64) for _, ids in prefills),
+            prompt_bases=tuple(s.length for s, _ in prefills),
         )
         batch_ref = ray.put(batch)  # one copy in the object store, read by every shard
 

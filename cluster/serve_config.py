@@ -346,9 +346,6 @@ class ServeConfig:
             raise ConfigError(f"serve.shard_cpus must be a number in (0, 64] (whole above 1), got {sc!r}")
         _int("shard_max_restarts", self.shard_max_restarts, 0, 1000)
         _seconds("shard_restart_timeout_s", self.shard_restart_timeout_s, 3600.0)
-        if self.target_shards and self.batch.get("prefill_chunk_tokens") is not None:
-            raise ConfigError("serve.batch.prefill_chunk_tokens: chunked prefill is not built over target shards "
-                              "(serve.target_shards > 0); leave it unset or serve the target in process")
         if self.target_shards and self.shard_restart_timeout_s >= self.stall_timeout_s:
             raise ConfigError(f"serve.shard_restart_timeout_s ({self.shard_restart_timeout_s:g}) must be "
                               f"below serve.stall_timeout_s ({self.stall_timeout_s:g}): a step waiting for a "

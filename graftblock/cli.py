@@ -152,8 +152,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         BatchConfig(fold_prefills=args.fold_prefills, prefill_chunk_tokens=args.prefill_chunk_tokens,
                     prefill_step_tokens=args.prefill_step_tokens)
-        if args.ray:
-            raise ConfigError("--prefill-chunk-tokens: chunked prefill is not built over Ray shards; drop it or --ray")
     device = _check_device(args.device)
     store = _open_store(args)  # a bad tracking store fails now, not after the run
     target = _load_target(cfg.model, cfg.dtype.value, device)
@@ -317,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "target allows it (the lean loop's flat batch); --no-fold-prefills gives each its own forward")
     b.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="--concurrency: chunked prefill, at most this many prompt tokens of one request per step "
-                        "(in-process flat target; the solo references chunk alike)")
+                        "(the flat layout, in process or over Ray shards; the solo references chunk alike)")
     b.add_argument("--prefill-step-tokens", type=int, default=None,
                    help="--concurrency with --prefill-chunk-tokens: at most this many prompt tokens per step over all "
                         "arriving prompts")

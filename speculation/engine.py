@@ -555,7 +555,7 @@ class BatchEngine:
         """Acceptance by rank over every sequence's verified trees: a new sequence's starting estimate."""
         if config.prefill_chunk_tokens is not None and not target.chunks_prefills:
             raise ValueError("batch.prefill_chunk_tokens needs a target that continues a prompt in its slot "
-                             "(chunks_prefills: the in-process target with the lean FLAT forward); this one "
+                             "(chunks_prefills: the lean FLAT forward, in process or on every shard); this one "
                              "does not, so leave it unset")
         self._prefilling: dict[str, _Live] = {}
         """Chunked prefills under way (``config.prefill_chunk_tokens``): their slots hold the chunks so far."""

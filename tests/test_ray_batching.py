@@ -148,6 +148,33 @@ def test_batched_ray_equals_solo_and_one_call_per_shard_per_step(tiny, refs, sha
     assert (accepted > 0) == (method == "retrieval")  # the drafter really speculated
 
 
+def test_chunked_prefill_over_shards_equals_the_in_process_chunked_runs(tiny, shards):
+    """``prefill_chunk_tokens=4`` over the shards: each chunk rides in the step's one call per
+    shard (no ``prefill_slot`` call), and every output equals the in-process solo run with the same
+    chunks; the solo Ray path (later chunks as chain-shaped tree passes) gives the same tokens."""
+    target = _target(shards)
+    assert target.chunks_prefills
+    cfg = [EngineConfig(max_new_tokens=n, sampling=GREEDY, prefill_chunk_tokens=4) for n in NEW]
+    refs = [generate_vanilla(tiny, p, c).tokens for p, c in zip(PROMPTS, cfg)]
+    assert [generate_vanilla(target, p, c).tokens for p, c in zip(PROMPTS[1:2], cfg[1:2])] == refs[1:2]
+    engine = BatchEngine(target, None, BatchConfig(max_sequences=4, max_tokens_per_sequence=64,
+                                                   prefill_chunk_tokens=4))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    before, step, forwards = _counts(shards), 0, 0
+    while step <= max(ARRIVE) or engine.has_work():
+        for i, (p, n, at) in enumerate(zip(PROMPTS, NEW, ARRIVE)):
+            if at == step:
+                engine.add(Request(f"r{i}", p, n, GREEDY))
+        forwards += bool(engine.num_live or engine.num_prefilling or engine.num_waiting)
+        for u in engine.step():
+            out[u.request_id].extend(u.new_tokens)
+        step += 1
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == refs
+    for a, b in zip(_counts(shards), before):
+        assert a.get("verify_batch", 0) - b.get("verify_batch", 0) == forwards
+        assert a.get("prefill_slot", 0) == b.get("prefill_slot", 0)
+
+
 def test_shard_killed_mid_generation_recovers_with_identical_output(tiny, refs, shards):
     import ray
 

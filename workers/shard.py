@@ -172,7 +172,9 @@ class BatchStepInput:
         compactions: the previous step's :class:`Compaction` s, applied before the forward.
         prompt_slots: ``[P]`` slots whose prompts this step prefills (flat layout only).
         prompts: per prompt slot its token ids ``[n_p]`` int64: rows after the trees' rows,
-            positions ``0..n_p-1``, causal over the slot's own rows (the solo prefill's attention).
+            positions ``s_p..s_p+n_p-1``, causal over the slot's own rows (the solo prefill's
+            attention), after the ``s_p`` rows of its earlier chunks (chunked prefill).
+        prompt_bases: ``[P]`` the ``s_p``: rows each prompt slot already holds (empty: all 0).
     """
 
     slots: tuple[int, ...]
@@ -182,6 +184,11 @@ class BatchStepInput:
     compactions: tuple[Compaction, ...] = field(default_factory=tuple)
     prompt_slots: tuple[int, ...] = ()
     prompts: tuple[np.ndarray, ...] = ()
+    prompt_bases: tuple[int, ...] = ()
+
+    def prompt_past(self) -> list[int]:
+        """Rows each prompt slot holds before this step (its earlier chunks; 0 for a new prompt)."""
+        return list(self.prompt_bases) if self.prompt_bases else [0] * len(self.prompts)
 
     def sizes(self) -> list[int]:
         """Tokens per row: the trees', then the prompts'."""
@@ -506,10 +513,12 @@ class TargetShard:
         self, pool_id: str, batch: BatchStepInput, hidden_in: WireTensor | None = None
     ) -> tuple[WireTensor, dict[int, WireTensor]]:
         """ONE forward over the trees of all rows (after applying ``batch.compactions``), and the
-        prefills of ``batch.prompts`` into their empty slots (flat layout only).
+        prefills of ``batch.prompts`` into their slots (flat layout only), empty or holding the
+        prompt's earlier chunks.
 
         Row b writes its ``T_b`` tree rows at ``bases[b]..`` of its slot (flat or padded, module
-        docstring); prompt p writes its ``n_p`` rows at ``0..`` of its slot. Returns hidden
+        docstring); prompt p writes its ``n_p`` rows at ``s_p..`` of its slot
+        (:meth:`BatchStepInput.prompt_past`). Returns hidden
         ``[1, N, H]`` (or, on the last shard, the logits of :meth:`BatchStepInput.kept_rows`:
         every tree node, then each prompt's last token), row-major, and {aux index: ``[N, H]``},
         ``N = sum T_b + sum n_p``.
@@ -518,14 +527,17 @@ class TargetShard:
         pool = self._pool(pool_id)
         self._compact(pool_id, batch.compactions)
         valid = self._valid[pool_id]
-        for slot, base in zip(batch.slots, batch.bases):
+        past = batch.prompt_past()
+        # a continued prompt's slot must hold its earlier chunks (a new prompt's slot may hold anything)
+        checked = [*zip(batch.slots, batch.bases), *((s, b) for s, b in zip(batch.prompt_slots, past) if b)]
+        for slot, base in checked:
             if valid.get(slot) != base:
                 raise ShardStateError(
                     f"shard {self.spec.index}: slot {slot} holds {valid.get(slot)} committed rows, the "
                     f"coordinator expects {base}"
                 )
         sizes = batch.sizes()
-        bases = list(batch.bases) + [0] * len(batch.prompts)
+        bases = list(batch.bases) + past
         slots = list(batch.slots) + list(batch.prompt_slots)
         tts = [
             TreeTensors(tokens=torch.tensor(np.asarray(t, dtype=np.int64)),  # copies: Ray's arrays are read-only
@@ -544,11 +556,12 @@ class TargetShard:
             if prompts:  # the first rows a fresh pool gets may be a folded prompt's
                 ll = self._lean
                 pool.allocate(ll.num_kv_heads, ll.head_dim, ll.dtype, ll.device)
-            _, positions, rows = ragged_tree_inputs(tts, bases[: len(tts)], self.device, prompts=prompts)
+            _, positions, rows = ragged_tree_inputs(tts, bases[: len(tts)], self.device, prompts=prompts,
+                                                    prompt_past=past)
             cache = pool.batch_cache(slots, bases, sizes, flat=True)
             hidden, aux_t = self._lean.run(hidden, positions, cache, None, tuple(batch.aux_layers), rows)
-            for slot, p in zip(batch.prompt_slots, prompts):
-                valid[slot] = len(p)
+            for slot, p, s0 in zip(batch.prompt_slots, prompts, past):
+                valid[slot] = s0 + len(p)
         else:  # PADDED: transformers' layers over [B, T_max] rows, then back to the flat rows
             cache = pool.batch_cache(list(batch.slots), bases, sizes)
             _, mask, positions = batch_tree_attention_inputs(tts, bases, cache.plan.kv_len, self.device)
