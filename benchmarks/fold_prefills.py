@@ -3,13 +3,15 @@
 
     .venv/bin/python benchmarks/fold_prefills.py --dtype float32 --json benchmarks/results/fold_prefills_fp32.json
     .venv/bin/python benchmarks/fold_prefills.py --dtype float32 --chunk 128 --json benchmarks/results/chunked_prefill_fp32.json
+    .venv/bin/python benchmarks/fold_prefills.py --dtype float32 --chunk 128 --step-budget 256 --concurrency 16 --json OUT.json
 
 Runs the closed loop of ``graftblock bench --concurrency`` (:func:`~speculation.bench.runner.run_concurrency`:
 N clients, each sending the next Spec-Bench first turn when its request ends) through
 :class:`~speculation.engine.BatchEngine` twice per repeat: with ``fold_prefills`` on (an arriving
 prompt is one more causal row of the step's flat forward) and off (each arriving prompt gets its
 own forward before the step); with ``--chunk C``, ``prefill_chunk_tokens=C`` (a long prompt is
-prefilled C tokens per step) against whole prompts (both folded). The arms alternate run by run
+prefilled C tokens per step; ``--step-budget S`` adds ``prefill_step_tokens=S``) against whole
+prompts (both folded). The arms alternate run by run
 (which arm goes first alternates too), so a drifting host hits both alike. Reports per N and arm
 the median over ``--repeats`` of total tokens/s, TTFT p50/p99 and ITL p50/p99/max, and the paired
 ratio first arm / second arm per repeat (median, and how many repeats were faster), plus whether
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--goodput", action="store_true")
     ap.add_argument("--chunk", type=int, default=None,
                     help="compare prefill_chunk_tokens=CHUNK against whole-prompt prefill instead")
+    ap.add_argument("--step-budget", type=int, default=None,
+                    help="with --chunk: also cap the prompt tokens per step (prefill_step_tokens)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     try:
@@ -53,8 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.chunk is not None and args.chunk < 1:
         ap.error(f"--chunk must be >= 1, got {args.chunk}")
-    arms = FOLD_ARMS if args.chunk is None else {f"chunked {args.chunk}": {"prefill_chunk_tokens": args.chunk},
-                                                 "whole": {}}
+    if args.step_budget is not None and (args.chunk is None or args.step_budget < args.chunk):
+        ap.error(f"--step-budget needs --chunk and must be >= it, got {args.step_budget}")
+    if args.chunk is None:
+        arms = FOLD_ARMS
+    elif args.step_budget is None:
+        arms = {f"chunked {args.chunk}": {"prefill_chunk_tokens": args.chunk}, "whole": {}}
+    else:
+        arms = {f"chunked {args.chunk}, {args.step_budget}/step": {"prefill_chunk_tokens": args.chunk,
+                                                                  "prefill_step_tokens": args.step_budget},
+                "whole": {}}
 
     import torch
 
@@ -105,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["benchmarks/fold_prefills.py", *(argv if argv is not None else sys.argv[1:])]),
         "env": environment(), "model": args.model, "dtype": args.dtype, "method": args.method,
         "goodput": args.goodput, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "chunk": args.chunk, "prompt_tokens": sorted(len(p) for p in prompts),
+        "chunk": args.chunk, "step_budget": args.step_budget, "prompt_tokens": sorted(len(p) for p in prompts),
         "repeats": args.repeats, "concurrency": {str(n): v for n, v in result.items()},
     }
     emit_json(out, args.json)

@@ -59,6 +59,7 @@ SECTIONS: dict[str, str] = {
     "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
     "chunked_prefill_fp32": "Continuous batching: chunked prefill (128-token chunks) against whole-prompt prefill (retrieval, goodput rule, fp32)",
     "chunked_prefill_c64_fp32": "Continuous batching: chunked prefill (64-token chunks) against whole-prompt prefill (retrieval, goodput rule, fp32)",
+    "chunked_prefill_budget_n16_fp32": "Continuous batching: chunked prefill with a per-step prompt budget against whole prompts, an arrival wave at N = 16 (vanilla, fp32)",
     "concurrency_specbench_fp32_drafting_charged_to_vanilla": "Continuous batching (fp32), the same run before the goodput fix: drafting seconds charged to the vanilla split too",
     "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
     "serve_load_threads_1": "Serving: replica torch threads, 1 (80 requests; pair of the next table)",
