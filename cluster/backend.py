@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from speculation.target import TargetModel, TreeForward, default_aux_layers
+from speculation.target import TargetModel, TreeForward, default_aux_layers, prompt_chunks
 from speculation.tree import DraftTree, NodeSource
 from workers.shard import StepInput, StepKind, TargetInfo
 from workers.wire import WireTensor
@@ -152,16 +152,13 @@ class RayTargetBackend:
         positions), committed whole."""
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
-        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
-                                         or chunk_tokens < 1):
-            raise ValueError(f"prefill chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
-        if chunk_tokens is not None and len(ids) > chunk_tokens:
-            state, logits, aux = self.prefill(ids[:chunk_tokens], need_aux=need_aux)
+        chunks = prompt_chunks(ids, chunk_tokens)
+        if len(chunks) > 1:
+            state, logits, aux = self.prefill(chunks[0][1], need_aux=need_aux)
             auxes = [aux]
-            for lo in range(chunk_tokens, len(ids), chunk_tokens):
-                chain = DraftTree(ids[lo])
-                rest = ids[lo + 1: lo + chunk_tokens]
-                chain.add_chain(0, rest, [0.0] * len(rest), NodeSource.DRAFTER)
+            for _, chunk in chunks[1:]:
+                chain = DraftTree(chunk[0])
+                chain.add_chain(0, chunk[1:], [0.0] * (len(chunk) - 1), NodeSource.DRAFTER)
                 fwd = self.verify(state, chain, need_aux=need_aux)
                 self.commit(state, chain, list(range(len(chain))))
                 logits = fwd.logits[-1]

@@ -222,12 +222,6 @@ class RayBatchTarget(RayTargetBackend):
         pipeline pass (:meth:`prefill_slot`)."""
         return self.batch_layout is BatchLayout.FLAT
 
-    @property
-    def chunks_prefills(self) -> bool:
-        """Whether :meth:`step_batch` can continue a prompt in a slot holding its earlier chunks
-        (chunked prefill): wherever it folds prefills."""
-        return self.folds_prefills
-
     # ------------------------------------------------------------------ slot API
     def new_slot_pool(self, max_sequences: int, max_tokens: int) -> RaySlotPool:
         """A pool of ``max_sequences`` slots of ``max_tokens`` rows on every shard."""

@@ -764,8 +764,8 @@ class BatchConfig:
     (vLLM's chunked prefill bounds it the same way). The chunk boundaries depend only on the prompt,
     so each sequence's output equals the solo loop's with ``engine.prefill_chunk_tokens`` equal to
     this bit for bit; against an unchunked prefill it equals up to summation order. Needs
-    ``fold_prefills`` and a target that ``chunks_prefills`` (the FLAT layout, in process or over
-    Ray shards). None = a prompt is prefilled in one step. Range [1, 1048576]."""
+    ``fold_prefills`` and a target that ``folds_prefills`` (the FLAT layout, in process or over
+    Ray shards: a chunk is a prefill row over its slot's earlier chunks). None = a prompt is prefilled in one step. Range [1, 1048576]."""
     prefill_step_tokens: int | None = None
     """With chunked prefill: the most prompt tokens one step prefills over all arriving prompts
     (vLLM's ``max_num_batched_tokens`` for the prefill share). A chunk that does not fit waits for

@@ -553,9 +553,9 @@ class BatchEngine:
         """Steps skipped on expected sizes before a probe (1, 2, 4, ... up to :attr:`MAX_PROBE_EVERY`)."""
         self.pooled_ranks = RankAcceptance(config.max_tree_tokens)
         """Acceptance by rank over every sequence's verified trees: a new sequence's starting estimate."""
-        if config.prefill_chunk_tokens is not None and not target.chunks_prefills:
+        if config.prefill_chunk_tokens is not None and not target.folds_prefills:
             raise ValueError("batch.prefill_chunk_tokens needs a target that continues a prompt in its slot "
-                             "(chunks_prefills: the lean FLAT forward, in process or on every shard); this one "
+                             "(folds_prefills: the lean FLAT forward, in process or on every shard); this one "
                              "does not, so leave it unset")
         self._prefilling: dict[str, _Live] = {}
         """Chunked prefills under way (``config.prefill_chunk_tokens``): their slots hold the chunks so far."""
@@ -641,12 +641,11 @@ class BatchEngine:
         self._aborted = []
         self._retired, self._aborted_seqs = self._aborted_seqs, {}
         prefill_tokens: dict[str, list[int]] = {}
-        arriving = self._continuing()  # chunked prompts go on first
-        budget = self.config.prefill_step_tokens
-        used = sum(len(self._next_chunk(a)) for a in arriving)
+        arriving, used = self._continuing()  # chunked prompts go on first
+        budget, chunk = self.config.prefill_step_tokens, self.config.prefill_chunk_tokens
         while self._waiting and self.pool.free:
-            if self._folds and budget is not None:
-                first = min(len(self._waiting[0].prompt_ids), self.config.prefill_chunk_tokens or budget)
+            if budget is not None and chunk is not None:  # a budget is set only with chunking (prompts fold)
+                first = min(len(self._waiting[0].prompt_ids), chunk)
                 if arriving and used + first > budget:  # admitted at a later step, when its first chunk fits
                     break
                 used += first
@@ -879,10 +878,10 @@ class BatchEngine:
             updates.append(self._start(a, start))
         return updates
 
-    def _continuing(self) -> list[_Live]:
-        """The chunked prefills under way that advance this step: all of them, or with
-        ``config.prefill_step_tokens`` those whose next chunk fits the budget in arrival order
-        (the first always does); the others keep their slots and wait a step."""
+    def _continuing(self) -> tuple[list[_Live], int]:
+        """The chunked prefills under way that advance this step, and their prompt tokens: all of
+        them, or with ``config.prefill_step_tokens`` those whose next chunk fits the budget in
+        arrival order (the first always does); the others keep their slots and wait a step."""
         budget = self.config.prefill_step_tokens
         out, used = [], 0
         for a in self._prefilling.values():
@@ -890,7 +889,7 @@ class BatchEngine:
             if budget is None or not out or used + n <= budget:
                 out.append(a)
                 used += n
-        return out
+        return out, used
 
     def _next_chunk(self, arriving: _Live) -> list[int]:
         """The prompt tokens this step prefills for ``arriving``: the rest of its prompt, or with

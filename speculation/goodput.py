@@ -64,6 +64,7 @@ a discounted Beta posterior per best-first rank; ranks the tree did not contain 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 import time
@@ -121,23 +122,24 @@ class BatchCostModel:
         split scans hundreds of row sizes per step at one (batch, context), and interpolating
         each one by one cost milliseconds of host time per step at B = 8."""
         t = np.asarray(row_tokens, dtype=np.float64)
+        contexts, tables = self._tables
         per_l = [interp(bs, [_row_curve(ts, secs, t) for ts, secs in curves], batch, extrapolate=False)
-                 for bs, curves in self._tables()]
-        return interp(sorted(self.grid), per_l, context, extrapolate=True)
+                 for bs, curves in tables]
+        return interp(contexts, per_l, context, extrapolate=True)
 
-    def _tables(self) -> list[tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]]:
-        """Per context (ascending): the batch sizes (ascending) and each one's (row sizes, seconds)."""
-        cached = self.__dict__.get("_tables_cache")
-        if cached is None:
-            cached = []
-            for L in sorted(self.grid):
-                by_b = self.grid[L]
-                bs = sorted(by_b)
-                curves = [(np.array(sorted(by_b[b]), dtype=np.float64),
-                           np.array([by_b[b][t] for t in sorted(by_b[b])], dtype=np.float64)) for b in bs]
-                cached.append((bs, curves))
-            object.__setattr__(self, "_tables_cache", cached)  # frozen: the grid never changes
-        return cached
+    @functools.cached_property
+    def _tables(self) -> tuple[list[int], list[tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]]]:
+        """The contexts (ascending) and per context the batch sizes (ascending) with each one's
+        (row sizes, seconds): the grid sorted once (it never changes)."""
+        contexts = sorted(self.grid)
+        tables = []
+        for L in contexts:
+            by_b = self.grid[L]
+            bs = sorted(by_b)
+            curves = [(np.array(sorted(by_b[b]), dtype=np.float64),
+                       np.array([by_b[b][t] for t in sorted(by_b[b])], dtype=np.float64)) for b in bs]
+            tables.append((bs, curves))
+        return contexts, tables
 
 
 def _row_curve(ts: np.ndarray, seconds: np.ndarray, t: np.ndarray) -> np.ndarray:

@@ -215,14 +215,10 @@ class TargetModel:
         prefill gives these bits. Equal to the one-forward prefill up to summation order."""
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
-        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
-                                         or chunk_tokens < 1):
-            raise ValueError(f"prefill chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
+        chunks = prompt_chunks(ids, chunk_tokens)
         state = TargetState(cache=reserve_rows(DynamicCache(config=self.model.config)))
-        step = len(ids) if chunk_tokens is None else chunk_tokens
         auxes = []
-        for lo in range(0, len(ids), step):
-            chunk = ids[lo: lo + step]
+        for lo, chunk in chunks:
             input_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)  # [1, c]
             mask, positions = chunk_attention_inputs(lo, len(chunk), self.device)
             logits, hidden = self._forward(input_ids, _cache(state), positions, mask, keep_last=True,
@@ -324,12 +320,6 @@ class TargetModel:
         """Whether :meth:`step_batch` can prefill new sequences inside the batched verify forward
         (the FLAT layout: a prompt is one more causal row of the packed pass)."""
         return self.batch_layout is BatchLayout.FLAT
-
-    @property
-    def chunks_prefills(self) -> bool:
-        """Whether :meth:`step_batch` can continue a prompt in a slot that holds its earlier chunks
-        (chunked prefill, ``BatchConfig.prefill_chunk_tokens``): wherever it folds prefills."""
-        return self.folds_prefills
 
     def empty_slot(self, pool: KVSlotPool) -> SlotState:
         """A free slot of ``pool`` holding nothing yet, for a prompt that :meth:`step_batch` prefills."""
@@ -468,6 +458,16 @@ def tree_attention_inputs(
     mask[0, 0, :, past_len:] = ancestor_mask.to(device=device, dtype=torch.bool)
     positions = (depths.to(device=device, dtype=torch.long) + past_len).view(1, T)  # [1, T]
     return mask, positions
+
+
+def prompt_chunks(ids: Sequence[int], chunk_tokens: int | None) -> list[tuple[int, list[int]]]:
+    """``(start, tokens)`` of each forward of a chunked prefill: tokens ``jC .. (j+1)C - 1`` for
+    ``C = chunk_tokens`` (None: the whole prompt in one). A bad ``chunk_tokens`` is refused by name."""
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                     or chunk_tokens < 1):
+        raise ValueError(f"prefill chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
+    step = len(ids) if chunk_tokens is None else chunk_tokens
+    return [(lo, list(ids[lo: lo + step])) for lo in range(0, len(ids), max(step, 1))]
 
 
 def chunk_attention_inputs(

@@ -153,7 +153,7 @@ def test_chunked_prefill_over_shards_equals_the_in_process_chunked_runs(tiny, sh
     shard (no ``prefill_slot`` call), and every output equals the in-process solo run with the same
     chunks; the solo Ray path (later chunks as chain-shaped tree passes) gives the same tokens."""
     target = _target(shards)
-    assert target.chunks_prefills
+    assert target.folds_prefills  # a chunk is a folded prompt row over its slot's earlier chunks
     cfg = [EngineConfig(max_new_tokens=n, sampling=GREEDY, prefill_chunk_tokens=4) for n in NEW]
     refs = [generate_vanilla(tiny, p, c).tokens for p, c in zip(PROMPTS, cfg)]
     assert [generate_vanilla(target, p, c).tokens for p, c in zip(PROMPTS[1:2], cfg[1:2])] == refs[1:2]
