@@ -172,6 +172,30 @@ class FinishReason(str, enum.Enum):
 FeedbackSink = Callable[[DraftContext, StepOutcome], None]
 
 
+@dataclass(frozen=True)
+class NodePicks:
+    """What acceptance and the drafter's ``observe`` read off one tree's logits, when the batch
+    took it for every sequence in one call: ``argmax`` per node (greedy sequences) and the
+    ``[T, k]`` top-k ids (drafters with ``target_topk``, k the batch's largest); None: not taken."""
+
+    argmax: list[int] | None = None
+    topk: torch.Tensor | None = None
+
+
+def _batch_picks(seqs: list[_Sequence], fwds: list[TreeForward]) -> list[NodePicks]:
+    """One argmax over the greedy sequences' tree rows and one top-k over the rows of sequences
+    whose drafter wants the target's top-k (:func:`~speculation.verify.batch_argmax`), instead of
+    one call per sequence; each row's result is the one a call of its own gives."""
+    greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy]
+    wants = [i for i, s in enumerate(seqs) if s.drafter is not None and s.drafter.target_topk]
+    argmax: dict[int, list[int]] = dict(zip(greedy, V.batch_argmax([fwds[i].logits for i in greedy])))
+    topk: dict[int, torch.Tensor] = {}
+    if wants:
+        k = max(cast(Drafter, seqs[i].drafter).target_topk for i in wants)
+        topk = dict(zip(wants, V.batch_topk([fwds[i].logits for i in wants], k)))
+    return [NodePicks(argmax.get(i), topk.get(i)) for i in range(len(seqs))]
+
+
 class _Sequence:
     """One sequence's decode state and the per-step logic every loop shares.
 
@@ -266,13 +290,16 @@ class _Sequence:
         draft_s: float,
         forward_s: float,
         stats: dict[str, float] | None = None,
+        picks: NodePicks | None = None,
     ) -> tuple[list[int], StepRecord]:
         """Accept over ``fwd`` (greedy or lossless sampling), ``commit`` the accepted KV rows, append
         the new tokens, let the drafter observe and feedback see the outcome; returns (tokens kept,
-        the step's record)."""
+        the step's record). ``picks``: the argmax and top-k of ``fwd``'s nodes when the batch took
+        them in one call (:func:`_batch_picks`), else taken here."""
         tb = time.perf_counter()
+        picks = picks or NodePicks()
         if self.sampling.greedy:
-            res = V.greedy(tree, fwd.logits)
+            res = V.greedy(tree, fwd.logits, picks.argmax)
         else:
             res = V.sample(tree, fwd.logits.cpu(), self.procs, self.gen)  # CPU generator: CPU logits
         commit(tree, res.accepted)
@@ -291,7 +318,9 @@ class _Sequence:
                 bonus_token=res.bonus_token,
                 aux_hidden=aux,
                 target_topk=(
-                    torch.topk(fwd.logits, drafter.target_topk, dim=-1).indices if drafter.target_topk else None
+                    None if not drafter.target_topk
+                    else picks.topk[:, : drafter.target_topk] if picks.topk is not None
+                    else torch.topk(fwd.logits, drafter.target_topk, dim=-1).indices
                 ),
             )
             if self.finished is None:
@@ -845,10 +874,11 @@ class BatchEngine:
         stats = {"batch_size": float(len(lives)), "batch_tree_tokens": float(sum(len(t) for t in trees)),
                  "batch_prefill_tokens": float(prompt_tokens), **split_stats}
         updates = []
-        for lv, cap, tree, (_, proposal, draft_s), fwd in zip(lives, caps, trees, proposed, fwds):
+        picks = _batch_picks([lv.seq for lv in lives], fwds)
+        for lv, cap, tree, (_, proposal, draft_s), fwd, pick in zip(lives, caps, trees, proposed, fwds, picks):
             commit = functools.partial(self.target.commit_slot, lv.state)
             kept, rec = lv.seq.settle(tree, fwd, commit, proposal, draft_s, forward_s,
-                                      {**stats, "tree_budget": float(cap)})
+                                      {**stats, "tree_budget": float(cap)}, pick)
             if self._goodput:  # the estimates feed only the goodput split
                 lv.ranks.observe(tree, lv.seq.last_accepted)
                 self.pooled_ranks.observe(tree, lv.seq.last_accepted)
@@ -934,11 +964,15 @@ def _propose_batch(seqs: list[_Sequence], caps: list[int],
     :class:`~speculation.drafters.base.SkippableDrafter` sits the step out (root alone too)."""
     out: list[tuple[DraftTree, Proposal | None, float]] = [(DraftTree(s.ctx.root_token), None, 0.0) for s in seqs]
     drafted = []
+    skippable: dict[type, bool] = {}  # a runtime Protocol check costs tens of microseconds: once per class
     for i, s in enumerate(seqs):
         if s.drafter is None:
             continue
-        if skip and isinstance(s.drafter, SkippableDrafter):
-            s.drafter.skip(s.ctx)
+        kind = type(s.drafter)
+        if skip and kind not in skippable:
+            skippable[kind] = isinstance(s.drafter, SkippableDrafter)
+        if skip and skippable[kind]:
+            cast(SkippableDrafter, s.drafter).skip(s.ctx)
         else:
             drafted.append(i)
     proposals = propose_many([cast(Drafter, seqs[i].drafter) for i in drafted], [seqs[i].ctx for i in drafted])

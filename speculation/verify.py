@@ -67,9 +67,11 @@ def target_probs(logits: torch.Tensor, processors: LogitsProcessorList) -> torch
     return torch.softmax(scores, dim=-1)
 
 
-def greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-    """Greedy acceptance. ``logits``: ``[T, V]`` target logits at each tree node."""
-    argmax = logits.argmax(dim=-1).tolist()  # [T]
+def greedy(tree: DraftTree, logits: torch.Tensor, argmax: list[int] | None = None) -> VerifyResult:
+    """Greedy acceptance. ``logits``: ``[T, V]`` target logits at each tree node; ``argmax``: their
+    ``argmax`` per node when already taken (:func:`batch_argmax`), else taken here."""
+    if argmax is None:
+        argmax = logits.argmax(dim=-1).tolist()  # [T]
     cur = ROOT
     accepted = [ROOT]
     while True:
@@ -79,6 +81,48 @@ def greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         accepted.append(nxt)
         cur = nxt
     return VerifyResult(accepted=accepted, bonus_token=int(argmax[cur]))
+
+
+def _rows(logits: list[torch.Tensor]) -> torch.Tensor:
+    """``[sum T_b, V]``: the trees' logits as one tensor. When they are consecutive row blocks of
+    one tensor (the in-process flat step's outputs), a view of those rows, else a copy
+    (``torch.cat``: 0.25 ms for 8 rows of SmolLM2's vocabulary on this host)."""
+    first = logits[0]
+    if len(logits) == 1:
+        return first
+    storage = first.untyped_storage().data_ptr()
+    nxt = first.data_ptr()
+    for rows in logits:
+        if (not rows.is_contiguous() or rows.data_ptr() != nxt or rows.shape[1:] != first.shape[1:]
+                or rows.untyped_storage().data_ptr() != storage):
+            return torch.cat(logits)
+        nxt += rows.numel() * rows.element_size()
+    total = sum(rows.shape[0] for rows in logits)
+    return first.as_strided((total, *first.shape[1:]), first.stride())  # within the storage: checked above
+
+
+def batch_argmax(logits: list[torch.Tensor]) -> list[list[int]]:
+    """``argmax`` of every node of every tree in one call (``logits[b]``: ``[T_b, V]``).
+
+    One reduction over ``[sum T_b, V]`` instead of one per sequence: at B = 8 single-node trees of
+    SmolLM2's 49,152-token vocabulary, 0.23 ms against 0.44 ms on this host. Each row's argmax is
+    the same as taken alone (first maximal index)."""
+    if not logits:
+        return []
+    flat = _rows(logits).argmax(dim=-1).tolist()  # [sum T_b]
+    out, lo = [], 0
+    for rows in logits:
+        out.append(flat[lo: lo + rows.shape[0]])
+        lo += rows.shape[0]
+    return out
+
+
+def batch_topk(logits: list[torch.Tensor], k: int) -> list[torch.Tensor]:
+    """The ``k`` largest tokens' ids of every node of every tree in one call: ``[T_b, k]`` per tree."""
+    if not logits:
+        return []
+    ids = torch.topk(_rows(logits), k, dim=-1).indices  # [sum T_b, k]
+    return list(ids.split([rows.shape[0] for rows in logits]))
 
 
 def sample(
