@@ -27,9 +27,12 @@ forward's, not an approximation of it (the tests compare logits, auxiliary featu
 tokens). ``hidden[i]`` has transformers' ``hidden_states`` meaning: the input of layer ``i``
 (``hidden[0]`` the embeddings, ``hidden[L]`` the final-normed output).
 
-Two departures, both for **batch invariance** (a sequence's logits do not depend on what else
-shares the forward, so a batched verify equals the solo one bit for bit where the CPU's GEMM
-kernels allow it; ``tests/test_lean_forward.py`` checks it on the real weights):
+In bf16 and fp16, a pass of one query token attends in fp32 (:data:`HALF_DTYPES`; torch's CPU
+flash kernel is several times slower for one half-precision query: :meth:`LeanLayers._attend`),
+so it equals transformers' forward to rounding. Two more departures, both for **batch
+invariance** (a sequence's logits do not depend on what else shares the forward, so a batched
+verify equals the solo one bit for bit where the CPU's GEMM kernels allow it;
+``tests/test_lean_forward.py`` checks it on the real weights):
 
 * :class:`PackedGemm` runs a single row as two where oneDNN's one-row kernel sums in another
   order than its multi-row ones (on the AVX2 host: SmolLM2's fp32 down projection). A
@@ -225,6 +228,10 @@ def _lean_layer(layer: nn.Module) -> _Layer | None:
                   gate_up_sizes=list(gu.sizes), down=PackedGemm(*down))
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+"""Model dtypes whose single-query attention :meth:`LeanLayers._attend` runs in fp32."""
+
+
 class LeanLayers:
     """Decoder layers ``start .. end - 1`` of a fused, packed Llama-family model as one loop
     (the per-layer block of the module docstring): the whole stack for :class:`LeanDecoder`, or a
@@ -333,7 +340,21 @@ class LeanLayers:
         mask; SDPA's own GQA gives the same bits on torch's CPU kernels (the bit-for-bit tests
         against transformers' tree verify check it) without copying the keys and values
         ``nq / nkv`` times: a 4-node tree over 500 committed tokens attends in 140 instead of
-        240 us per layer, over 900 tokens in 0.23 instead of 1.9 ms (2 threads, fp32)."""
+        240 us per layer, over 900 tokens in 0.23 instead of 1.9 ms (2 threads, fp32).
+
+        A row of **one query** (a decode step, a sequence sitting out a batched step) in bf16 or
+        fp16 attends in fp32: ``q``, ``k``, ``v`` are widened exactly, SDPA runs in fp32 and the
+        output is rounded back to the model's dtype. torch's CPU flash kernel takes a slow path
+        for a single bf16 query: over 200 / 500 / 1,000 keys (SmolLM2's 9 query and 3 KV heads of
+        64) it took 118 / 322 / 738 us per layer on the AVX-512 host of BENCHMARKS.md, against 55
+        / 96 / 172 us widened (copies included) and 45 / 117 / 230 us for two bf16 queries. At
+        B = 8 that is 240 single-query calls per step. The choice depends on the row alone, so a
+        batched row still equals its solo pass bit for bit; against transformers' bf16 SDPA it
+        equals to rounding (a single-token pass already did, :class:`PackedGemm`)."""
+        if q.shape[2] == 1 and q.dtype in HALF_DTYPES:  # one query: half-precision SDPA's slow path
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                  is_causal=causal, scale=self.scaling,
+                                                  enable_gqa=self.num_heads > self.num_kv_heads).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
                                               enable_gqa=self.num_heads > self.num_kv_heads)
 
