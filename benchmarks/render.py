@@ -56,6 +56,7 @@ SECTIONS: dict[str, str] = {
     "concurrency_vllm_specbench_fp32": "Continuous batching against vLLM's: the same closed loop on both engines (fp32)",
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
+    "single_query_attention_bf16": "Single-query attention in bf16: the half-precision SDPA call against the same call widened to fp32, kernel and closed loop (vanilla, bf16)",
     "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
     "chunked_prefill_fp32": "Continuous batching: chunked prefill (128-token chunks) against whole-prompt prefill (retrieval, goodput rule, fp32)",
     "chunked_prefill_c64_fp32": "Continuous batching: chunked prefill (64-token chunks) against whole-prompt prefill (retrieval, goodput rule, fp32)",
@@ -554,6 +555,28 @@ def render_fold_prefills(res: dict) -> list[str]:
     return lines
 
 
+def render_single_query_attention(res: dict) -> list[str]:
+    """The one-query attention kernel, half precision against widened, then the closed-loop A/B."""
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}`: one layer's "
+             "attention call for one query token over n keys (median µs), then the closed loop on "
+             f"{res['prompts']} Spec-Bench first turns, {res['max_new_tokens']} new tokens each; medians of "
+             f"{res['repeats']} repeats, arms alternating run by run.", "",
+             "| keys | half µs | widened µs | half / widened |", "|---|---|---|---|"]
+    for k in res["kernel"]:
+        lines.append(f"| {k['keys']} | {k['half_us']:.0f} | {k['widened_us']:.0f} | {_f(k['ratio'], 2, '×')} |")
+    lines += ["", "| N | arm | tok/s | TTFT p50 ms | ITL p50 / p99 ms | lossless (per repeat) | widened / half tok/s (paired) |",
+              "|---|---|---|---|---|---|---|"]
+    for n, level in res["concurrency"].items():
+        ratios = ", ".join(_f(r, 2) for r in level["ratio_tokens_per_s_paired"])
+        for i, (arm, m) in enumerate(level["arms"].items()):
+            cell = (f"{_f(level['ratio_median'], 2, '×')} median ({ratios}); faster in "
+                    f"{level['repeats_faster']} of {len(level['ratio_tokens_per_s_paired'])}") if i == 0 else ""
+            lossless = ", ".join(_f(x) for x in m["lossless"])
+            lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} "
+                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {lossless} | {cell} |")
+    return lines
+
+
 def render_curve(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**; median seconds of one verify + KV commit over a 256-token context.", ""]
     curves = res["curves"]
@@ -610,6 +633,8 @@ def main() -> int:
             out += render_goodput_calibration(res)
         elif kind == "fold_prefills":
             out += render_fold_prefills(res)
+        elif kind == "single_query_attention":
+            out += render_single_query_attention(res)
         elif "methods" in res:
             out += render_bench(res)
             if any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values()):

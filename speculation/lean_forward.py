@@ -250,6 +250,9 @@ class LeanLayers:
         self.scaling = scaling
         first = next(iter(layers.values()))
         self.dtype, self.device = first.qkv.dtype, first.w_in.device
+        self.widen_single_query = True
+        """Attend a one-query row in fp32 when the model is bf16/fp16 (:meth:`_attend`; False runs
+        the half-precision call, the A/B of ``benchmarks/single_query_attention.py``)."""
 
     @classmethod
     def from_modules(cls, cfg, layers: dict[int, nn.Module], rotary: nn.Module) -> LeanLayers | None:
@@ -351,7 +354,7 @@ class LeanLayers:
         B = 8 that is 240 single-query calls per step. The choice depends on the row alone, so a
         batched row still equals its solo pass bit for bit; against transformers' bf16 SDPA it
         equals to rounding (a single-token pass already did, :class:`PackedGemm`)."""
-        if q.shape[2] == 1 and q.dtype in HALF_DTYPES:  # one query: half-precision SDPA's slow path
+        if self.widen_single_query and q.shape[2] == 1 and q.dtype in HALF_DTYPES:  # half SDPA's slow path
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                   is_causal=causal, scale=self.scaling,
                                                   enable_gqa=self.num_heads > self.num_kv_heads).to(q.dtype)

@@ -317,7 +317,7 @@ def test_a_single_half_precision_query_attends_in_fp32(dtype):
 
     from speculation.lean_forward import LeanLayers
 
-    layers = types.SimpleNamespace(scaling=0.125, num_heads=9, num_kv_heads=3)
+    layers = types.SimpleNamespace(scaling=0.125, num_heads=9, num_kv_heads=3, widen_single_query=True)
     gen = torch.Generator().manual_seed(1)
     k, v = (torch.randn(1, 3, 300, 64, generator=gen).to(dtype) for _ in range(2))
     for t in (1, 4):
