@@ -535,6 +535,13 @@ def render_grad_terms(res: dict) -> list[str]:
     return lines
 
 
+def _paired_cell(level: dict) -> str:
+    """An A/B level's paired tokens/s ratios: the median, each repeat's, and how many favoured arm one."""
+    ratios = level["ratio_tokens_per_s_paired"]
+    return (f"{_f(level['ratio_median'], 2, '×')} median ({', '.join(_f(r, 2) for r in ratios)}); faster in "
+            f"{level['repeats_faster']} of {len(ratios)}")
+
+
 def render_fold_prefills(res: dict) -> list[str]:
     """Prefills folded into the step against their own forwards (or chunked against whole prompts):
     per N and arm, medians over repeats."""
@@ -546,10 +553,8 @@ def render_fold_prefills(res: dict) -> list[str]:
              f"| N | arm | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 / max ms | lossless | {' / '.join(names)} tok/s (paired) |",
              "|---|---|---|---|---|---|---|"]
     for n, level in res["concurrency"].items():
-        ratios = ", ".join(_f(r, 2) for r in level["ratio_tokens_per_s_paired"])
         for i, (arm, m) in enumerate(level["arms"].items()):
-            cell = (f"{_f(level['ratio_median'], 2, '×')} median ({ratios}); faster in "
-                    f"{level['repeats_faster']} of {len(level['ratio_tokens_per_s_paired'])}") if i == 0 else ""
+            cell = _paired_cell(level) if i == 0 else ""
             lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} "
                          f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} / {_ms(m.get('itl_max_s'))} | {_f(m['lossless'])} | {cell} |")
     return lines
@@ -567,10 +572,8 @@ def render_single_query_attention(res: dict) -> list[str]:
     lines += ["", "| N | arm | tok/s | TTFT p50 ms | ITL p50 / p99 ms | lossless (per repeat) | widened / half tok/s (paired) |",
               "|---|---|---|---|---|---|---|"]
     for n, level in res["concurrency"].items():
-        ratios = ", ".join(_f(r, 2) for r in level["ratio_tokens_per_s_paired"])
         for i, (arm, m) in enumerate(level["arms"].items()):
-            cell = (f"{_f(level['ratio_median'], 2, '×')} median ({ratios}); faster in "
-                    f"{level['repeats_faster']} of {len(level['ratio_tokens_per_s_paired'])}") if i == 0 else ""
+            cell = _paired_cell(level) if i == 0 else ""
             lossless = ", ".join(_f(x) for x in m["lossless"])
             lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} "
                          f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {lossless} | {cell} |")

@@ -62,12 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernel-calls", type=int, default=200)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    from graftblock.cli import _parse_concurrency
+    from speculation.config import ConfigError
+
     try:
-        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--concurrency takes comma-separated integers, got {args.concurrency!r}")
-    if not levels or min(levels) < 1:
-        ap.error(f"--concurrency values must be >= 1, got {args.concurrency!r}")
+        levels = _parse_concurrency(args.concurrency)  # the bench CLI's own parsing and range
+    except ConfigError as e:
+        ap.error(str(e))
+    if not levels:
+        ap.error("--concurrency needs at least one level")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.kernel_calls < 1:

@@ -174,9 +174,9 @@ FeedbackSink = Callable[[DraftContext, StepOutcome], None]
 
 @dataclass(frozen=True)
 class NodePicks:
-    """What acceptance and the drafter's ``observe`` read off one tree's logits, when the batch
-    took it for every sequence in one call: ``argmax`` per node (greedy sequences) and the
-    ``[T, k]`` top-k ids (drafters with ``target_topk``, k the batch's largest); None: not taken."""
+    """What acceptance and the drafter's ``observe`` read off one tree's logits, taken for every
+    sequence of a step in one call: ``argmax`` per node (greedy sequences) and the ``[T, k]`` top-k
+    ids (drafters with ``target_topk``, k the batch's largest); None where not wanted."""
 
     argmax: list[int] | None = None
     topk: torch.Tensor | None = None
@@ -285,19 +285,18 @@ class _Sequence:
         self,
         tree: DraftTree,
         fwd: TreeForward,
+        picks: NodePicks,
         commit: Callable[[DraftTree, list[int]], None],
         proposal: Proposal | None,
         draft_s: float,
         forward_s: float,
         stats: dict[str, float] | None = None,
-        picks: NodePicks | None = None,
     ) -> tuple[list[int], StepRecord]:
         """Accept over ``fwd`` (greedy or lossless sampling), ``commit`` the accepted KV rows, append
         the new tokens, let the drafter observe and feedback see the outcome; returns (tokens kept,
-        the step's record). ``picks``: the argmax and top-k of ``fwd``'s nodes when the batch took
-        them in one call (:func:`_batch_picks`), else taken here."""
+        the step's record). ``picks``: the argmax and top-k of ``fwd``'s nodes (:func:`_batch_picks`,
+        one call for the whole batch)."""
         tb = time.perf_counter()
-        picks = picks or NodePicks()
         if self.sampling.greedy:
             res = V.greedy(tree, fwd.logits, picks.argmax)
         else:
@@ -317,11 +316,7 @@ class _Sequence:
                 accepted_tokens=[tree.tokens[a] for a in res.accepted],
                 bonus_token=res.bonus_token,
                 aux_hidden=aux,
-                target_topk=(
-                    None if not drafter.target_topk
-                    else picks.topk[:, : drafter.target_topk] if picks.topk is not None
-                    else torch.topk(fwd.logits, drafter.target_topk, dim=-1).indices
-                ),
+                target_topk=picks.topk[:, : drafter.target_topk] if picks.topk is not None else None,
             )
             if self.finished is None:
                 drafter.observe(self.ctx, outcome)
@@ -365,7 +360,8 @@ def _run_solo(
                 fwd = target.verify(state, tree, need_aux=seq.needs_aux)
                 commit = functools.partial(target.commit, state)
             context = len(seq.ctx.tokens)
-            _, rec = seq.settle(tree, fwd, commit, proposal, draft_s, time.perf_counter() - tb)
+            picks = _batch_picks([seq], [fwd])[0]
+            _, rec = seq.settle(tree, fwd, picks, commit, proposal, draft_s, time.perf_counter() - tb)
             if timed is not None:
                 timed.observe_verify(len(tree), context, rec.verify_s)
     finally:
@@ -877,8 +873,8 @@ class BatchEngine:
         picks = _batch_picks([lv.seq for lv in lives], fwds)
         for lv, cap, tree, (_, proposal, draft_s), fwd, pick in zip(lives, caps, trees, proposed, fwds, picks):
             commit = functools.partial(self.target.commit_slot, lv.state)
-            kept, rec = lv.seq.settle(tree, fwd, commit, proposal, draft_s, forward_s,
-                                      {**stats, "tree_budget": float(cap)}, pick)
+            kept, rec = lv.seq.settle(tree, fwd, pick, commit, proposal, draft_s, forward_s,
+                                      {**stats, "tree_budget": float(cap)})
             if self._goodput:  # the estimates feed only the goodput split
                 lv.ranks.observe(tree, lv.seq.last_accepted)
                 self.pooled_ranks.observe(tree, lv.seq.last_accepted)

@@ -301,7 +301,6 @@ class LeanLayers:
         wanted = set(hidden_at)
         hidden: dict[int, torch.Tensor] = {}
         cos, sin = self.rotary(x, positions)  # [B, T, D] each
-        widen = rows is not None and 1 in rows.sizes and self._widens(x.dtype)
         causal = mask is None and T > 1
         offsets = rows.offsets if rows is not None else []
         if rows is not None and (B != 1 or sum(rows.sizes) != T):
@@ -320,19 +319,12 @@ class LeanLayers:
                 a = self._attend(q, k, v, mask, causal)  # [B, nq, T, D]
             else:
                 cache.write(k, v, i)
-                # single-query rows attend widened (_attend); q is widened once for all of them, and
-                # their fp32 outputs are rounded back once, in the cat (the same values, fewer calls)
-                qw = q.float() if widen else None
                 parts = []
                 for b, (o, t) in enumerate(zip(offsets, rows.sizes)):
                     kb, vb = cache.row_kv(i, b)  # [1, nkv, n_b + T_b, D]
                     m = rows.masks[b]  # None and t > 1: a prefill row (causal over its empty slot)
-                    if qw is not None and t == 1:
-                        parts.append(self._sdpa(qw[:, :, o : o + 1], kb.float(), vb.float(), m, False))
-                    else:
-                        parts.append(self._attend(q[:, :, o : o + t], kb, vb, m, m is None and t > 1))
+                    parts.append(self._attend(q[:, :, o : o + t], kb, vb, m, m is None and t > 1))
                 a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [1, nq, sum T_b, D]
-                a = a.to(x.dtype)  # fp32 parts (and a cat that promoted) rounded back
             a = a.transpose(1, 2).reshape(B * T, nq * D)  # [B T, nq D]
             x = x + layer.wo(a).view(B, T, H)
             h = rms_norm(x, layer.w_post, self.eps).view(B * T, H)
@@ -362,18 +354,10 @@ class LeanLayers:
         B = 8 that is 240 single-query calls per step. The choice depends on the row alone, so a
         batched row still equals its solo pass bit for bit; against transformers' bf16 SDPA it
         equals to rounding (a single-token pass already did, :class:`PackedGemm`)."""
-        if q.shape[2] == 1 and self._widens(q.dtype):  # half SDPA's slow path
-            return self._sdpa(q.float(), k.float(), v.float(), mask, causal).to(q.dtype)
-        return self._sdpa(q, k, v, mask, causal)
-
-    def _widens(self, dtype: torch.dtype) -> bool:
-        """Whether a single-query row of ``dtype`` attends in fp32 (:meth:`_attend`)."""
-        return self.widen_single_query and dtype in HALF_DTYPES
-
-    def _sdpa(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
-    ) -> torch.Tensor:
-        """The one SDPA call (GQA inside, the model's scaling), in the dtype of its inputs."""
+        if self.widen_single_query and q.shape[2] == 1 and q.dtype in HALF_DTYPES:  # half SDPA's slow path
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                  is_causal=causal, scale=self.scaling,
+                                                  enable_gqa=self.num_heads > self.num_kv_heads).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
                                               enable_gqa=self.num_heads > self.num_kv_heads)
 

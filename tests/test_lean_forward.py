@@ -311,18 +311,19 @@ def test_a_single_half_precision_query_attends_in_fp32(dtype):
     """One query token in bf16/fp16 (a decode row) attends in fp32 and rounds back: the output is
     fp32 SDPA of the widened tensors, bit for bit, and within rounding of the half-precision call;
     several queries (a tree, a prompt) keep the half-precision call."""
+    import types
+
     import torch.nn.functional as F
 
     from speculation.lean_forward import LeanLayers
 
-    layers = LeanLayers.__new__(LeanLayers)  # the attention call needs only these attributes
-    layers.scaling, layers.num_heads, layers.num_kv_heads, layers.widen_single_query = 0.125, 9, 3, True
+    layers = types.SimpleNamespace(scaling=0.125, num_heads=9, num_kv_heads=3, widen_single_query=True)
     gen = torch.Generator().manual_seed(1)
     k, v = (torch.randn(1, 3, 300, 64, generator=gen).to(dtype) for _ in range(2))
     for t in (1, 4):
         q = torch.randn(1, 9, t, 64, generator=gen).to(dtype)
         mask = None if t == 1 else torch.ones(1, 1, t, 300, dtype=torch.bool).tril(300 - t)
-        got = layers._attend(q, k, v, mask, False)
+        got = LeanLayers._attend(layers, q, k, v, mask, False)
         half = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
         wide = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125,
                                               enable_gqa=True).to(dtype)
