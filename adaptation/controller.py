@@ -169,6 +169,7 @@ class Decision:
     tau_replay_new: float = math.nan
     realised_gain_s: float = math.nan
     reward_s: float = math.nan
+    injected: bool = False
     wall_time: float = 0.0
 
     @property
@@ -187,6 +188,8 @@ class Decision:
                "tau_pre": self.tau_pre, "tau_post": self.tau_post,
                "tau_replay_prev": self.tau_replay_prev, "tau_replay_new": self.tau_replay_new,
                "realised_gain_s": self.realised_gain_s, "reward_s": self.reward_s}
+        if self.injected:
+            out["injected"] = 1.0
         if self.gain is not None:
             g = self.gain
             out.update({"tau_old": g.tau_old, "tau_new": g.tau_new, "tau_new_lo": g.tau_new_lo,
@@ -228,7 +231,7 @@ class AdaptationController:
         self.on_decision: Callable[[Decision], None] | None = None
         self._steps_since = 0
         self._rounds = 0
-        self._pending: tuple[int, CostEstimate, GainEstimate | None, int] | None = None
+        self._pending: _PendingSwap | None = None
         self._last_wall: dict[object, float] = {}
         self._busy: list[tuple[float, float]] = []
         self._first_wall: float | None = None  # wall time of the first feedback record
@@ -329,17 +332,21 @@ class AdaptationController:
             return self.apply(result.state, arm, cost, est, train_s, result.mean_loss, positions)
 
     def apply(self, state: StateDict, arm: int, cost: CostEstimate, est: GainEstimate | None = None,
-              train_s: float = 0.0, loss: float = math.nan, positions: int = 0) -> Decision:
+              train_s: float = 0.0, loss: float = math.nan, positions: int = 0, injected: bool = False) -> Decision:
         """Publish ``state`` as an update of arm ``arm`` and watch it with the swap guard (the
-        previous weights are kept for a rollback; the arm's reward is credited when the window closes)."""
+        previous weights are kept for a rollback; the arm's reward is credited when the window closes).
+
+        ``injected``: weights that did not come from the policy's own training (a benchmark's
+        deliberately harmful update, :func:`adaptation.rollback.shuffled_head`). The guard watches
+        and rolls them back like any update, but the bandit is not credited: no arm chose them."""
         with self._lock:
             tau_pre = self.buffer.live_tau(self.config.guard.window_steps)
             previous = self.weights
             sync_s = self._publish(state)
             self.guard.arm(previous, tau_pre)
-            self._pending = (arm, cost, est, positions)
+            self._pending = _PendingSwap(arm, cost, est, positions, injected)
             return self._log(Decision(self._rounds, self.config.policy, arm, Outcome.APPLIED, cost, est, train_s,
-                                      sync_s, loss, tau_pre=tau_pre))
+                                      sync_s, loss, tau_pre=tau_pre, injected=injected))
 
     def _probe_step_cost(self, train: list[FeedbackSequence]) -> None:
         """Time :data:`PROBE_STEPS` optimizer steps (result discarded) so the exploration budget
@@ -416,9 +423,9 @@ class AdaptationController:
         assert self.guard.previous is not None and self._pending is not None
         tau_prev, tau_new, guard_s = self._replay_pair(self.guard.previous, self.weights,
                                                        self.guard.window_sequences())
-        arm, cost, est, positions = self._pending
-        self.guard_replay_cost_s += guard_s * cost.contention
-        self._pending = (arm, dataclasses.replace(cost, replay_s=cost.replay_s + guard_s), est, positions)
+        pending = self._pending
+        self.guard_replay_cost_s += guard_s * pending.cost.contention
+        pending.cost = dataclasses.replace(pending.cost, replay_s=pending.cost.replay_s + guard_s)
         return self.guard.judge(tau_prev, tau_new), tau_prev, tau_new
 
     def _replay_pair(self, first: StateDict, second: StateDict,
@@ -471,8 +478,8 @@ class AdaptationController:
     def _close_watch(self, verdict: GuardVerdict, tau_replay_prev: float = math.nan,
                      tau_replay_new: float = math.nan) -> None:
         assert self._pending is not None
-        arm, cost, est, positions = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
+        arm, cost, est = pending.arm, pending.cost, pending.est
         tau_pre, tau_post = self.guard.tau_pre, self.guard.tau_post
         step_s = self.cost.serving_step_s
         paired = math.isfinite(tau_replay_prev) and math.isfinite(tau_replay_new)
@@ -484,13 +491,14 @@ class AdaptationController:
             assert previous is not None
             sync_s = self._publish(previous)
         reward = realised - cost.tried_s
-        counter = {arm: reward}
-        self.bandit.record(arm, reward, counter, harmful=None if est is None else est.gain_hi_s < 0,
-                           positions=positions)
+        if not pending.injected:
+            self.bandit.record(arm, reward, {arm: reward}, harmful=None if est is None else est.gain_hi_s < 0,
+                               positions=pending.positions)
         outcome = Outcome.ROLLED_BACK if verdict is GuardVerdict.ROLLBACK else Outcome.KEPT
         self._log(Decision(self._rounds, self.config.policy, arm, outcome, cost, est, sync_s=sync_s,
                            tau_pre=tau_pre, tau_post=tau_post, tau_replay_prev=tau_replay_prev,
-                           tau_replay_new=tau_replay_new, realised_gain_s=realised, reward_s=reward))
+                           tau_replay_new=tau_replay_new, realised_gain_s=realised, reward_s=reward,
+                           injected=pending.injected))
 
     def _log(self, d: Decision) -> Decision:
         d = _with_time(d)
@@ -511,6 +519,17 @@ class AdaptationController:
         if self.config.policy is Policy.COST_AWARE:
             out.update(self.bandit.regret())
         return out
+
+
+@dataclass
+class _PendingSwap:
+    """An applied update the swap guard is watching: what its arm is credited when the watch closes."""
+
+    arm: int
+    cost: CostEstimate
+    est: GainEstimate | None
+    positions: int  # train positions it was trained on (the bandit's staleness measure)
+    injected: bool  # not the policy's own update: the bandit is not credited
 
 
 def _replay_key(seq: FeedbackSequence) -> tuple:

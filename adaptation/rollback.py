@@ -24,6 +24,9 @@ tau ``tau_pre``; it then collects the feedback records of the next ``window_step
   too little feedback to replay (no request with two recorded steps), the live rule decides.
 
 Ray-free; the controller (or the learner actor) replays, and republishes ``previous`` on ROLLBACK.
+
+:func:`shuffled_head` builds the deliberately harmful update the guard is tested and benchmarked
+against (``graftblock adapt-bench --policies static,harmful``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ from adaptation.feedback import FeedbackRecord, FeedbackSequence
 from speculation.config import ConfigError
 
 StateDict = dict[str, torch.Tensor]
+
+HEAD_KEY = "lm_head.weight"
+"""The draft LM head in every learned drafter family's state dict (``[draft_vocab, hidden]``)."""
 
 
 class GuardMode(str, enum.Enum):
@@ -133,3 +139,25 @@ def window_sequences(records: list[FeedbackRecord]) -> list[FeedbackSequence]:
         groups.setdefault(r.request_id, []).append(r)
     seqs = [FeedbackSequence.join(g) for g in groups.values() if len(g) >= 2]
     return [s for s in seqs if s.length >= 2]
+
+
+def shuffled_head(state: StateDict, seed: int = 0) -> StateDict:
+    """A deliberately harmful update: the draft LM head's rows permuted,
+
+        W'[i] = W[perm[i]]        W: [draft_vocab, hidden], perm a seeded permutation
+
+    so draft token i is scored with another token's row: what training on shuffled labels drives
+    a head to. Everything else is the same tensor objects as ``state`` (nothing copied). The
+    drafter keeps running at full cost while its proposals are almost never accepted, the worst
+    case a weight sync can bring (sglang #27718)."""
+    if HEAD_KEY not in state:
+        raise ConfigError(f"shuffled_head: the drafter's state dict has no {HEAD_KEY!r} "
+                          f"(keys: {', '.join(sorted(state)[:8])}{', ...' if len(state) > 8 else ''})")
+    head = state[HEAD_KEY]  # [V_draft, H]
+    if head.dim() != 2 or head.shape[0] < 2:
+        raise ConfigError(f"shuffled_head: {HEAD_KEY} must be [draft_vocab >= 2, hidden], got {tuple(head.shape)}")
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(head.shape[0], generator=gen)
+    while torch.equal(perm, torch.arange(head.shape[0])):  # a permutation that changes nothing harms nothing
+        perm = torch.randperm(head.shape[0], generator=gen)
+    return {**state, HEAD_KEY: head[perm]}

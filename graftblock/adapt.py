@@ -9,7 +9,10 @@
 The stream is a :class:`StreamSpec` (``--stream`` YAML: phases with a dataset source, categories,
 request count and order); without one it takes Spec-Bench first turns phase by phase (chat =
 writing/roleplay/humanities/stem, code = coding, math = math/math_reasoning, translation =
-translation). The ``config_ucb`` policy adapts the *tree configuration* instead of the weights:
+translation). The ``harmful`` policy is ``static`` plus one deliberately harmful update (the draft
+head's rows shuffled) published before request ``--harmful-at``: run beside ``static``, it measures
+how soon the swap guard rolls it back and what it costs (the result's ``harmful`` block). The
+``config_ucb`` policy adapts the *tree configuration* instead of the weights:
 :class:`~adaptation.config_bandit.ConfigAdapter` picks one of ``--config-arms`` (the Pareto front
 ``graftblock compare`` writes) per request by UCB on measured tokens/s, scoring the other arms on
 the verified trajectory (full information); its ``cost_s`` is that scoring time (charged to its
@@ -32,7 +35,13 @@ alone. Output JSON::
                              "phase_series": [per request], "decisions": [...],
                              "serving_s" (its requests' seconds), "foreign_s" (the other
                              policies' seconds, outside its :class:`ServingClock`),
-                             config_ucb only: "arm_series", "config_bandit": {regret, pulls, arms …}}}}
+                             config_ucb only: "arm_series", "config_bandit": {regret, pulls, arms …}}},
+     "harmful" (with the harmful policy): {"at_request", "phase", "rolled_back",
+                             "rollback_request", "requests_to_rollback", "watch_steps",
+                             "tau_replay_prev", "tau_replay_new", "guard_replay_s",
+                             "phase_tokens_per_s" (harmful / static, the swap's phase),
+                             "affected_tokens_per_s" (harmful / static, the requests from the swap
+                             to the rollback)}}
 
 Every decision is also an MLflow metric of the run (``tracking.adaptation``).
 """
@@ -66,6 +75,10 @@ GUARD_MODES = ("paired", "live")
 """adaptation.rollback.GuardMode's values (not imported here: the parser stays torch-free)."""
 CONFIG_POLICY = "config_ucb"
 """The config-adaptation policy (:mod:`adaptation.config_bandit`); the others are weight-update policies."""
+HARMFUL_POLICY = "harmful"
+"""The swap guard's benchmark: the static policy, plus one deliberately harmful update
+(:func:`adaptation.rollback.shuffled_head`) published before request ``--harmful-at`` and watched
+by the guard like any update."""
 DEFAULT_REQUESTS_PER_PHASE = 40
 
 
@@ -237,7 +250,8 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", default="eagle3", choices=DRAFTERS)
     p.add_argument("--config", default=None, help="YAML: drafter name -> options (as for bench)")
     p.add_argument("--policies", default="static,always,periodic,cost_aware",
-                   help=f"comma-separated: static, always, periodic, cost_aware, {CONFIG_POLICY} (needs --config-arms)")
+                   help=f"comma-separated: static, always, periodic, cost_aware, {CONFIG_POLICY} (needs --config-arms), "
+                        f"{HARMFUL_POLICY} (static plus one harmful update at --harmful-at; put static first)")
     p.add_argument("--stream", default=None, help="stream spec YAML (e.g. ray_configs/stream_domain_shift.yaml); "
                                                   "replaces --phases/--dataset")
     p.add_argument("--phases", default="chat,code,math,translation")
@@ -288,6 +302,10 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config-ucb-scale", type=float, default=1.0, help=f"{CONFIG_POLICY}: UCB exploration scale c")
     p.add_argument("--no-full-information", action="store_true",
                    help=f"{CONFIG_POLICY}: do not score the other arms on the verified trajectory")
+    p.add_argument("--harmful-at", type=int, default=None,
+                   help=f"{HARMFUL_POLICY}: index of the request (0-based, over the whole stream) before which the "
+                        "harmful update is published (default: the middle of the first phase)")
+    p.add_argument("--harmful-seed", type=int, default=0, help=f"{HARMFUL_POLICY}: seed of the head's row permutation")
     p.add_argument("--json", required=True, help="where to write the result JSON")
     p.add_argument("--no-mlflow", action="store_true")
     p.add_argument("--tracking-uri", default=None)
@@ -323,7 +341,7 @@ class _PolicyRun:
     taus: list[float] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
     arms: list[str] = field(default_factory=list)
-    decisions: list[Any] = field(default_factory=list)
+    decided_by: list[int] = field(default_factory=list)  # controller decisions logged by the end of each request
     clock: ServingClock = field(default_factory=ServingClock)
 
 
@@ -358,13 +376,15 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[
 
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
-        if p == CONFIG_POLICY:
+        if p in (CONFIG_POLICY, HARMFUL_POLICY):
             continue
         try:
             Policy(p)
         except ValueError:
             raise ConfigError(f"--policies: unknown policy {p!r}; choose from "
-                              f"{[x.value for x in Policy] + [CONFIG_POLICY]}") from None
+                              f"{[x.value for x in Policy] + [CONFIG_POLICY, HARMFUL_POLICY]}") from None
+    if len(set(policies)) != len(policies):
+        raise ConfigError(f"--policies names a policy twice: {args.policies!r}")
     if CONFIG_POLICY in policies and not args.config_arms:
         raise ConfigError(f"--policies {CONFIG_POLICY} needs --config-arms FILE (graftblock compare's pareto_front.yaml)")
     try:
@@ -400,18 +420,29 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[
         if not phases:
             raise ConfigError("--phases must name at least one phase")
         stream = StreamSpec.from_phase_names(phases, args.dataset, args.requests_per_phase or DEFAULT_REQUESTS_PER_PHASE)
+    if HARMFUL_POLICY in policies:
+        if "static" not in policies:
+            raise ConfigError(f"--policies {HARMFUL_POLICY} is measured against static: add static to --policies")
+        if args.harmful_at is None:
+            args.harmful_at = max(1, stream.phases[0].requests // 2)
+        total = sum(p.requests for p in stream.phases)
+        if not 1 <= args.harmful_at < total:
+            raise ConfigError(f"--harmful-at must be in [1, {total - 1}] (a request of the stream after the first, "
+                              f"so the guard has a live tau before the swap), got {args.harmful_at}")
+    elif args.harmful_at is not None:
+        raise ConfigError(f"--harmful-at needs the {HARMFUL_POLICY} policy in --policies")
     return policies, stream, budgets
 
 
 def cmd_adapt_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from adaptation.bandit import BanditConfig
+    from adaptation.bandit import SKIP, BanditConfig
     from adaptation.config_bandit import ConfigAdapter, ConfigBanditConfig, load_arms
     from adaptation.controller import AdaptationController, ControllerConfig, Policy
     from adaptation.feedback import BufferConfig, FeedbackSink
     from adaptation.online import OnlineConfig
-    from adaptation.rollback import GuardConfig
+    from adaptation.rollback import GuardConfig, shuffled_head
     from graftblock.cli import _load_target, _load_yaml
     from speculation.config import EngineConfig, SamplingConfig
     from speculation.drafters import build_drafter, resolve_methods
@@ -430,7 +461,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
         log = AdaptationLog(args.experiment, args.tracking_uri)
     target = _load_target(args.model, args.dtype)
     stream = _encode(target.tokenizer, turns, args.max_prompt_tokens)
-    weight_policies = [p for p in policies if p != CONFIG_POLICY]
+    weight_policies = [p for p in policies if p != CONFIG_POLICY]  # harmful included: static's weights
     spec = resolve_methods([args.drafter], _load_yaml(args.config))[0] if weight_policies else None
     engine = EngineConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=True, sampling=SamplingConfig(temperature=0.0))
     base = dict(
@@ -459,8 +490,9 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
             continue
         drafter = build_drafter(spec, target)
         clock = ServingClock()
+        policy = Policy.STATIC if name == HARMFUL_POLICY else Policy(name)
         controller = AdaptationController(drafter, drafter.load_state_dict,
-                                          ControllerConfig(policy=Policy(name), **base), clock=clock)
+                                          ControllerConfig(policy=policy, **base), clock=clock)
         run = _PolicyRun(name, drafter, controller, FeedbackSink(controller.add, clock=clock), clock=clock)
         if log is not None:
             controller.on_decision = (lambda d, _n=name: log.log_decision(_n, d.outcome.value, d.metrics()))
@@ -478,6 +510,10 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
                     log.log_config_round(run.name, served.decision.arm,
                                          served.decision.metrics(run.adapter.arm_ids))
             else:
+                if run.name == HARMFUL_POLICY and i == args.harmful_at:
+                    run.sink.drain()  # the guard's pre-swap tau sees every step served so far
+                    run.controller.apply(shuffled_head(run.controller.weights, args.harmful_seed), SKIP,
+                                         run.controller.cost.cost(SKIP), injected=True)
                 hook = run.sink.hook(i)
 
                 def feedback(ctx, outcome, _hook=hook, _sink=run.sink):
@@ -488,6 +524,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
                 res = generate_speculative(target, run.drafter, prompt, engine, feedback=feedback)
                 run.walls.append(time.perf_counter() - t0)
                 run.sink.end_request(i)
+                run.decided_by.append(len(run.controller.decisions))
             for other in runs:  # this request's time is foreign to every other policy's clock
                 if other is not run:
                     other.clock.foreign_s += run.walls[-1]
@@ -600,6 +637,8 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
         }
     from speculation.bench.runner import environment
 
+    by_name = {r.name: r for r in runs}
+    harmful = _harmful_summary(args, by_name[HARMFUL_POLICY], by_name["static"]) if HARMFUL_POLICY in by_name else None
     command = _command(args)
     return _jsonable({"kind": "adapt_bench", "command": command, "env": environment(),
                       "controller": {"decide_every_steps": args.decide_every_steps, "horizon_s": args.horizon_s,
@@ -617,4 +656,40 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
                       "model": args.model, "dtype": args.dtype, "drafter": args.drafter, "stream": stream.name,
                       "phases": phases, "requests_per_phase": {p.name: p.requests for p in stream.phases},
                       "max_new_tokens": args.max_new_tokens, "lossless_reference": runs[0].name,
-                      "policies": policies})
+                      "policies": policies, **({"harmful": harmful} if harmful is not None else {})})
+
+
+def _harmful_summary(args: argparse.Namespace, run: _PolicyRun, static: _PolicyRun) -> dict[str, Any]:
+    """The harmful policy's swap against static on the same requests (module docstring's ``harmful``).
+
+    The rollback request is the first whose serving logged the guard's ROLLED_BACK decision
+    (the guard judges inside the decode loop's feedback hook). ``affected_tokens_per_s`` compares
+    the requests from the swap to that one; ``phase_tokens_per_s`` the swap's whole phase."""
+    from adaptation.controller import Outcome
+
+    at = args.harmful_at
+    decisions = run.controller.decisions
+    closing = next((k for k, d in enumerate(decisions) if d.injected and d.outcome is not Outcome.APPLIED), None)
+    close = decisions[closing] if closing is not None else None
+    until = next((i for i, n in enumerate(run.decided_by) if closing is not None and n > closing), len(run.tokens) - 1)
+    phase = run.phases[at]
+
+    def speed(r: _PolicyRun, idx: list[int]) -> float:
+        return sum(len(r.tokens[j]) for j in idx) / sum(r.walls[j] for j in idx)
+
+    in_phase = [j for j, p in enumerate(run.phases) if p == phase]
+    affected = list(range(at, until + 1))
+    return {"at_request": at, "phase": phase, "seed": args.harmful_seed,
+            "rolled_back": close is not None and close.outcome is Outcome.ROLLED_BACK,
+            "closed_as": None if close is None else close.outcome.value,
+            "rollback_request": until if close is not None else None,
+            "requests_to_rollback": until - at + 1 if close is not None else None,
+            "watch_steps": args.guard_window, "guard_mode": args.guard_mode,
+            "tau_pre": None if close is None else close.tau_pre,
+            "tau_post": None if close is None else close.tau_post,
+            "tau_replay_prev": None if close is None else close.tau_replay_prev,
+            "tau_replay_new": None if close is None else close.tau_replay_new,
+            "guard_replay_s": run.controller.guard_replay_cost_s,
+            "phase_tokens_per_s": speed(run, in_phase) / speed(static, in_phase),
+            "affected_tokens_per_s": speed(run, affected) / speed(static, affected),
+            "affected_requests": len(affected)}

@@ -22,7 +22,7 @@ from adaptation.cost_model import CostConfig
 from adaptation.feedback import BufferConfig, FeedbackRecord, FeedbackSink, ReplayBuffer, SinkConfig
 from adaptation.gain import ReplayConfig, replay_units, replica, tau_of
 from adaptation.online import OnlineConfig, OnlineUpdater
-from adaptation.rollback import GuardConfig, GuardMode
+from adaptation.rollback import HEAD_KEY, GuardConfig, GuardMode, shuffled_head
 from speculation.config import ConfigError, EngineConfig, Eagle3Config, SamplingConfig, SpecBlockConfig
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.specblock import build_specblock_drafter
@@ -366,7 +366,10 @@ def test_explore_budget_bounds_what_refused_candidates_may_cost():
             ControllerConfig(explore_budget=bad)
 
 
-def test_rollback_restores_previous_weights_when_live_tau_collapses():
+@pytest.mark.parametrize("injected", [False, True])
+def test_rollback_restores_previous_weights_when_live_tau_collapses(injected):
+    """An update that collapses tau is rolled back at the close of the guard's window. The bandit's
+    arm is credited with the loss, unless the update was injected (no arm chose it)."""
     target = _target()
     live = _drafter("eagle3", target)
     live.load_state_dict(_candidate("eagle3").state)
@@ -377,23 +380,41 @@ def test_rollback_restores_previous_weights_when_live_tau_collapses():
     prompts = _prompts(4)  # served before and after the swap: same text, so tau_pre vs tau_post is fair
     _serve(target, live, prompts, sink, first_id=100)
     # a deliberately harmful update: the draft LM head's rows shuffled (labels permuted)
-    harmful = dict(before)
-    perm = torch.randperm(harmful["lm_head.weight"].shape[0], generator=torch.Generator().manual_seed(0))
-    harmful["lm_head.weight"] = before["lm_head.weight"][perm]
-    applied = ctl.apply(harmful, 16, ctl.cost.cost(16), positions=777)
-    assert applied.outcome is Outcome.APPLIED and applied.tau_pre > 1.25
+    harmful = shuffled_head(before)
+    applied = ctl.apply(harmful, 16, ctl.cost.cost(16), positions=777, injected=injected)
+    assert applied.outcome is Outcome.APPLIED and applied.tau_pre > 1.25 and applied.injected is injected
     outs = _serve(target, live, prompts, sink, first_id=200)
     closing = [d for d in ctl.decisions if d.outcome in (Outcome.KEPT, Outcome.ROLLED_BACK)]
-    assert [d.outcome for d in closing] == [Outcome.ROLLED_BACK]
+    assert [d.outcome for d in closing] == [Outcome.ROLLED_BACK] and closing[0].injected is injected
     assert closing[0].tau_post < closing[0].tau_pre * 0.9 and closing[0].reward_s < 0
-    # the deferred reward reached the bandit with the positions the update was trained on
+    assert ("injected" in closing[0].metrics()) is injected
+    # the deferred reward reached the bandit with the positions the update was trained on (not
+    # when injected: the bandit never chose it)
     arm16 = ctl.bandit.stats[16]
-    assert (arm16.pulls, arm16.positions, arm16.reward_sum) == (1, 777, closing[0].reward_s)
+    expect = (0, 0, 0.0) if injected else (1, 777, closing[0].reward_s)
+    assert (arm16.pulls, arm16.positions, arm16.reward_sum) == expect
     restored = live.state_dict()
     assert restored.keys() == before.keys() and all(torch.equal(restored[k], before[k]) for k in before)
     assert outs == _feedback("eagle3")[1][:4]  # lossless throughout
     # paired (default) mode: the verdict replayed both weights on the post-swap text
     assert closing[0].tau_replay_new < closing[0].tau_replay_prev * 0.9
+
+
+def test_shuffled_head_permutes_only_the_head_rows_and_names_a_missing_head():
+    head = torch.arange(12.0).reshape(6, 2)  # [V_draft, H]
+    other = torch.ones(3)
+    state = {HEAD_KEY: head, "fc.weight": other}
+    out = shuffled_head(state, seed=3)
+    assert out["fc.weight"] is other and state[HEAD_KEY] is head  # the rest shared, the input untouched
+    assert not torch.equal(out[HEAD_KEY], head)
+    assert sorted(out[HEAD_KEY][:, 0].tolist()) == head[:, 0].tolist()  # the same rows, in another order
+    assert torch.equal(out[HEAD_KEY], shuffled_head(state, seed=3)[HEAD_KEY])  # seeded
+    two = {HEAD_KEY: torch.tensor([[1.0], [2.0]])}
+    assert shuffled_head(two)[HEAD_KEY].flatten().tolist() == [2.0, 1.0]  # never the identity permutation
+    with pytest.raises(ConfigError, match="shuffled_head: the drafter's state dict has no 'lm_head.weight'"):
+        shuffled_head({"fc.weight": other})
+    with pytest.raises(ConfigError, match=r"lm_head.weight must be \[draft_vocab >= 2, hidden\], got \(1, 2\)"):
+        shuffled_head({HEAD_KEY: torch.ones(1, 2)})
 
 
 @pytest.mark.parametrize("mode, expect", [(GuardMode.LIVE, Outcome.ROLLED_BACK), (GuardMode.PAIRED, Outcome.KEPT)])
@@ -660,3 +681,59 @@ def test_adapt_bench_cli_runs_the_policies_and_logs_decisions(tiny_model_dir, tm
         [mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name("adapt-test").experiment_id])[0]
     assert run.data.metrics["always.updates"] == pol["always"]["updates"]
     assert any(k.startswith("adapt.always.outcome.applied") for k in run.data.metrics)
+
+
+def test_adapt_bench_harmful_policy_swaps_once_and_stays_lossless(tiny_model_dir, tmp_path):  # noqa: F811
+    """The harmful policy publishes shuffled_head before request --harmful-at; the guard closes the
+    watch within the run, static's text is kept token for token, and the result's harmful block
+    compares the swap's phase against static's."""
+    import json
+
+    import yaml
+
+    from graftblock.cli import main
+
+    cfg = tmp_path / "drafter.yaml"
+    cfg.write_text(yaml.safe_dump({"eagle3": {"checkpoint": "random", "draft_vocab_size": VOCAB,
+                                              "total_tokens": 12, "depth": 3, "top_k": 3}}))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(
+        json.dumps({"question_id": i, "category": "writing", "turns": [f"t{3 * i} t{3 * i + 1} t{i}"]}) + "\n"
+        for i in range(4)))
+    out = tmp_path / "harm.json"
+    rc = main(["adapt-bench", "--model", str(tiny_model_dir), "--dtype", "float32", "--drafter", "eagle3",
+               "--dataset", str(questions), "--config", str(cfg), "--policies", "static,harmful", "--phases", "chat",
+               "--requests-per-phase", "4", "--max-new-tokens", "24", "--max-prompt-tokens", "32",
+               "--guard-window", "4", "--heldout", "1", "--json", str(out), "--no-mlflow"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    harm, pol = res["harmful"], res["policies"]
+    assert pol["harmful"]["lossless"] is True and pol["static"]["updates"] == 0
+    assert pol["harmful"]["updates"] == 1  # the injected swap, and no policy update: static otherwise
+    assert harm["at_request"] == 2 and harm["phase"] == "chat"  # default: the middle of the first phase
+    assert "--harmful-at 2" in res["command"]
+    applied = [d for d in pol["harmful"]["decisions"] if d["injected"]]
+    assert [d["outcome"] for d in applied][0] == "applied"
+    assert harm["closed_as"] in ("kept", "rolled_back") and harm["rolled_back"] is (harm["closed_as"] == "rolled_back")
+    assert 2 <= harm["rollback_request"] <= 3 and harm["requests_to_rollback"] == harm["rollback_request"] - 1
+    assert harm["phase_tokens_per_s"] > 0 and harm["affected_requests"] == harm["requests_to_rollback"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policies", "harmful"], "measured against static: add static to --policies"),
+    (["--policies", "static,harmful", "--harmful-at", "0"], r"--harmful-at must be in \[1, 7\]"),
+    (["--policies", "static,harmful", "--harmful-at", "8"], r"--harmful-at must be in \[1, 7\]"),
+    (["--policies", "static,cost_aware", "--harmful-at", "3"], "--harmful-at needs the harmful policy"),
+    (["--policies", "static,static"], "--policies names a policy twice"),
+])
+def test_adapt_bench_harmful_options_are_validated(argv, message):
+    import argparse
+
+    from graftblock.adapt import _parse_args, add_adapt_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_adapt_parser(sub)
+    args = sub.choices["adapt-bench"].parse_args(["--json", "-", "--phases", "chat,code", "--requests-per-phase", "4",
+                                                  *argv])
+    with pytest.raises(ConfigError, match=message):
+        _parse_args(args)
