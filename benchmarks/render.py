@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from graftblock.adapt import HARMFUL_POLICY
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "BENCHMARKS.md"
@@ -42,6 +44,8 @@ SECTIONS: dict[str, str] = {
     "adapt_domain_shift_eagle3_fp32_paired_guard_budget20": "Online adaptation: the same with an exploration budget of 20% (fp32)",
     "adapt_domain_shift_eagle3_fp32_recency": "Online adaptation: 20% exploration budget, recency-weighted training (half-life 8 requests), step-cost probe; the first update kept by the paired guard (fp32)",
     "adapt_domain_shift_eagle3_fp32_audit": "Online adaptation: the recency run's settings with audits of kept updates, on a slower host: nothing applied, so nothing audited (fp32)",
+    "adapt_harmful_eagle3_fp32": "Online adaptation: a deliberately harmful update (the draft head's rows shuffled) against static, and the swap guard's rollback, EAGLE-3 (fp32)",
+    "adapt_harmful_specblock_fp32": "Online adaptation: a deliberately harmful update against static, and the swap guard's rollback, SpecBlock (fp32)",
     "online_knobs_eagle3_code_fp32": "Online updates: learning rate, share of accepted positions, optimizer steps, on HumanEval feedback (EAGLE-3, fp32)",
     "online_knobs_eagle3_chat_fp32": "Online updates: how much feedback a candidate needs, on chat feedback (EAGLE-3, fp32)",
     "sweep_graft_heldout_fp32": "Graft over SpecBlock: Optuna sweep on 4 Spec-Bench categories, best configuration on the 9 held out (fp32)",
@@ -350,7 +354,7 @@ def render_adapt(res: dict) -> list[str]:
                                                  f"({_f(p['per_phase'][ph]['tau'], 2)})" for ph in phases) + " |")
     for name, p in pol.items():
         rounds = [d for d in p.get("decisions", []) if d.get("outcome") != "skipped"]
-        if not rounds:
+        if not rounds or (name == HARMFUL_POLICY and "harmful" in res):  # its swap: the block below
             continue
         if not any(d.get("gain") for d in rounds):  # always / periodic: no estimate, just the spend
             costs = [_cost_total_s(d["cost"]) for d in rounds if d.get("cost")]
@@ -375,7 +379,31 @@ def render_adapt(res: dict) -> list[str]:
                          f"{_f(g.get('tau_new'), 3)} [{_f(g.get('tau_new_lo'), 3)}, {_f(g.get('tau_new_hi'), 3)}] | "
                          f"{_f(g.get('gain_s'), 2)} [{_f(g.get('gain_lo_s'), 2)}, {_f(g.get('gain_hi_s'), 2)}] | "
                          f"{_f(total, 2)} | {_f(d.get('realised_gain_s'), 2)} |")
+    if "harmful" in res:
+        lines += ["", *_harmful_lines(res["harmful"])]
     return lines
+
+
+def _harmful_lines(h: dict) -> list[str]:
+    """adapt-bench's harmful block: the injected swap, the guard's verdict, its cost against static."""
+    if h.get("closed_as") is None:
+        verdict = "The guard's watch had not closed by the end of the stream."
+    else:
+        verdict = (f"The guard closed its watch as **{h['closed_as']}** during request {h['rollback_request']}, "
+                   f"{h['requests_to_rollback']} request(s) after the swap counting the swap's own. Replayed on the "
+                   f"watch window's text: previous weights tau {_f(h.get('tau_replay_prev'), 3)}, shuffled head "
+                   f"{_f(h.get('tau_replay_new'), 3)}; live tau {_f(h.get('tau_pre'), 3)} in the window before the swap, "
+                   f"{_f(h.get('tau_post'), 3)} in the watch window. The guard's replays cost "
+                   f"{_f(h.get('guard_replay_s'), 2)} s.")
+    return [f"**Deliberately harmful update** (`{HARMFUL_POLICY}`: static, plus the draft head's rows shuffled, "
+            f"seed {h.get('seed')}, published before request {h['at_request']} of phase `{h['phase']}`; guard window "
+            f"{h['watch_steps']} verify steps, {h.get('guard_mode')}). {verdict}", "",
+            "| tokens/s, harmful / static | ratio |", "|---|---|",
+            f"| phase `{h['phase']}` | {_f(h['phase_tokens_per_s'], 3, '×')} |",
+            f"| the {h['affected_requests']} request(s) from the swap to the guard's verdict | "
+            f"{_f(h['affected_tokens_per_s'], 3, '×')} |"] + (
+        [f"| the {h['before_swap_requests']} requests of the phase before the swap (same weights in both: noise) | "
+         f"{_f(h['before_swap_tokens_per_s'], 3, '×')} |"] if h.get("before_swap_tokens_per_s") is not None else [])
 
 
 def render_linear_kernels(res: dict) -> list[str]:

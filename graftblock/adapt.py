@@ -41,7 +41,9 @@ alone. Output JSON::
                              "tau_replay_prev", "tau_replay_new", "guard_replay_s",
                              "phase_tokens_per_s" (harmful / static, the swap's phase),
                              "affected_tokens_per_s" (harmful / static, the requests from the swap
-                             to the rollback)}}
+                             to the rollback), "before_swap_tokens_per_s" (harmful / static on the
+                             phase's requests before the swap, where both serve the same weights:
+                             the noise floor)}}
 
 Every decision is also an MLflow metric of the run (``tracking.adaptation``).
 """
@@ -679,6 +681,7 @@ def _harmful_summary(args: argparse.Namespace, run: _PolicyRun, static: _PolicyR
 
     in_phase = [j for j, p in enumerate(run.phases) if p == phase]
     affected = list(range(at, until + 1))
+    before = [j for j in in_phase if j < at]  # the same weights in both: how far apart noise alone puts them
     return {"at_request": at, "phase": phase, "seed": args.harmful_seed,
             "rolled_back": close is not None and close.outcome is Outcome.ROLLED_BACK,
             "closed_as": None if close is None else close.outcome.value,
@@ -692,4 +695,6 @@ def _harmful_summary(args: argparse.Namespace, run: _PolicyRun, static: _PolicyR
             "guard_replay_s": run.controller.guard_replay_cost_s,
             "phase_tokens_per_s": speed(run, in_phase) / speed(static, in_phase),
             "affected_tokens_per_s": speed(run, affected) / speed(static, affected),
-            "affected_requests": len(affected)}
+            "affected_requests": len(affected),
+            "before_swap_tokens_per_s": speed(run, before) / speed(static, before) if before else None,
+            "before_swap_requests": len(before)}

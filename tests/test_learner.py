@@ -717,6 +717,7 @@ def test_adapt_bench_harmful_policy_swaps_once_and_stays_lossless(tiny_model_dir
     assert harm["closed_as"] in ("kept", "rolled_back") and harm["rolled_back"] is (harm["closed_as"] == "rolled_back")
     assert 2 <= harm["rollback_request"] <= 3 and harm["requests_to_rollback"] == harm["rollback_request"] - 1
     assert harm["phase_tokens_per_s"] > 0 and harm["affected_requests"] == harm["requests_to_rollback"]
+    assert harm["before_swap_requests"] == 2 and harm["before_swap_tokens_per_s"] > 0
 
 
 @pytest.mark.parametrize("argv, message", [
