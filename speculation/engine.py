@@ -49,8 +49,10 @@ from speculation.goodput import (
     exploration_cap,
     GainCorrection,
     HostOverhead,
+    RealisedPayoff,
     measure_batch_cost,
     split_budget,
+    step_context,
 )
 from speculation.target import ContextLengthError, PrefillForward, SlotState, TargetModel, TreeForward
 from speculation.tree import DraftTree, NodeSource
@@ -498,6 +500,12 @@ class DraftingCheck(str, enum.Enum):
     PROBE = "probe"
     """Only the expected tree sizes said skip (full trees would pay): draft anyway, to re-measure
     the sizes; probes back off by doubling while they keep verifying nothing."""
+    VETO = "veto"
+    """The rule would draft, but drafted steps have realised less than plain ones
+    (:class:`~speculation.goodput.RealisedPayoff`): sit out as on SKIP."""
+    RETEST = "retest"
+    """A vetoed step that drafts anyway, as DRAFT would, to re-measure the realised payoff;
+    re-tests back off by doubling while drafting keeps losing."""
 
 
 class BatchEngine:
@@ -576,6 +584,11 @@ class BatchEngine:
         self._skips_since_draft = 0
         self._probe_every = 1
         """Steps skipped on expected sizes before a probe (1, 2, 4, ... up to :attr:`MAX_PROBE_EVERY`)."""
+        self.payoff = RealisedPayoff()
+        """Realised rate of drafted against plain steps: vetoes drafting while drafted steps lose."""
+        self._vetoes_since_draft = 0
+        self._retest_every = 1
+        """Vetoed steps before a re-test (1, 2, 4, ... up to :attr:`MAX_PROBE_EVERY`)."""
         self.pooled_ranks = RankAcceptance(config.max_tree_tokens)
         """Acceptance by rank over every sequence's verified trees: a new sequence's starting estimate."""
         if config.prefill_chunk_tokens is not None and not target.folds_prefills:
@@ -773,11 +786,20 @@ class BatchEngine:
           :attr:`PROBE_DRAFTS` draft node(s); a probe that did not
           pay in realised tokens (:meth:`_after_verify`) doubles ``probe_every`` (up to
           :attr:`MAX_PROBE_EVERY`), a drafted step that paid resets it to 1.
+
+        A DRAFT verdict is then checked against what drafting realised (:attr:`payoff`): while
+        drafted steps have served fewer tokens per second than plain ones, it becomes VETO (sit
+        out), except every ``retest_every``-th such step, RETEST (draft as DRAFT would, and
+        re-measure); a re-test after which drafting still loses doubles ``retest_every`` (up to
+        :attr:`MAX_PROBE_EVERY`), one after which it no longer does resets it to 1.
         """
         full = [c - 1 for c in caps]
         expected = [f if lv.draft_size is None else min(f, round(lv.draft_size)) for lv, f in zip(lives, full)]
         if any(self._split(lives, expected, self.drafting_s, spent=False).drafts):
-            return DraftingCheck.DRAFT
+            if not self.payoff.loses:
+                return DraftingCheck.DRAFT
+            self._vetoes_since_draft += 1
+            return DraftingCheck.RETEST if self._vetoes_since_draft > self._retest_every else DraftingCheck.VETO
         if not any(self._split(lives, full, 0.0, corrected=False).drafts):
             return DraftingCheck.SKIP
         self._skips_since_draft += 1
@@ -791,6 +813,7 @@ class BatchEngine:
             if proposal is not None:
                 lv.observe_draft_size(len(tree) - 1)
         self._skips_since_draft = 0
+        self._vetoes_since_draft = 0
 
     def _after_verify(self, check: DraftingCheck, lives: list[_Live], split: Split, expected: float,
                       accepted: int, forward_s: float, drafting_s: float) -> None:
@@ -810,6 +833,14 @@ class BatchEngine:
         elif check is DraftingCheck.PROBE:
             self._probe_every = min(2 * self._probe_every, self.MAX_PROBE_EVERY)
 
+    def _after_step(self, check: DraftingCheck, verified_drafts: bool, tokens: int, step_s: float,
+                    vanilla_s: float, batch: int) -> None:
+        """Book the step's realised rate (:attr:`payoff`) and the re-test backoff."""
+        self.payoff.observe(verified_drafts, tokens, step_s, vanilla_s, batch)
+        if check is DraftingCheck.RETEST:
+            losing = self.payoff.loses
+            self._retest_every = min(2 * self._retest_every, self.MAX_PROBE_EVERY) if losing else 1
+
     def _verify_step(self, prefill_tokens: dict[str, list[int]], arriving: list[_Live]) -> list[SequenceUpdate]:
         """Draft, split, ONE forward (every live tree, and the ``arriving`` prompts' prefills when
         they fold in), accept and commit per sequence, then start the arrived sequences."""
@@ -817,13 +848,14 @@ class BatchEngine:
         lives = list(self._live.values())
         caps = self._tree_caps(lives)
         check = self._drafting_check(lives, caps) if self._goodput and lives else DraftingCheck.DRAFT
-        skip = check is DraftingCheck.SKIP
+        skip = check in (DraftingCheck.SKIP, DraftingCheck.VETO)
         proposed = _propose_batch([lv.seq for lv in lives], caps, skip=skip)
         trees = [p[0] for p in proposed]
         split_stats: dict[str, float] = {}
         split: Split | None = None
         drafted = False
         expected = 0.0
+        vanilla_s = 0.0
         if self._goodput and lives:
             assert self.cost_model is not None
             probe = check is DraftingCheck.PROBE
@@ -831,7 +863,12 @@ class BatchEngine:
             # cheapest step that re-measures them (a probe granted whole trees on raw estimates
             # verified 43 tokens for 2 extra at B = 8)
             room = [min(len(t) - 1, self.PROBE_DRAFTS) if probe else len(t) - 1 for t in trees]
+            if check is DraftingCheck.VETO:  # a drafter that cannot sit out drafted anyway: verify none of it
+                room = [0] * len(trees)
             split = self._split(lives, room, sum(p[2] for p in proposed), corrected=not probe)
+            # the grid's c(B, 1, L): what the realised payoff normalises this step's rate by
+            vanilla_s = self.cost_model.cost(len(lives), 1, step_context(self.cost_model.layout,
+                                                                         [lv.state.length for lv in lives]))
             drafted = not skip and any(p[1] is not None for p in proposed)
             if drafted:
                 self._after_drafting(lives, proposed)
@@ -846,7 +883,9 @@ class BatchEngine:
                            "goodput_verify_overhead_s": self.host_overhead.extra_s,
                            "goodput_gain_correction": self.gain_correction.factor,
                            "goodput_drafting_skipped": float(skip),
-                           "goodput_drafting_probe": float(check is DraftingCheck.PROBE)}
+                           "goodput_drafting_probe": float(check is DraftingCheck.PROBE),
+                           "goodput_drafting_vetoed": float(check is DraftingCheck.VETO),
+                           "goodput_drafting_retest": float(check is DraftingCheck.RETEST)}
         self.last_split = {lv.request.request_id: len(t) for lv, t in zip(lives, trees)}
         need_aux = any(lv.seq.needs_aux for lv in (*lives, *arriving))
         tb = time.perf_counter()
@@ -884,12 +923,16 @@ class BatchEngine:
                 del self._live[rid]
                 self._retired[rid] = lv.seq
             updates.append(SequenceUpdate(rid, prefill_tokens.get(rid, []) + kept, lv.seq.finished, rec))
+        accepted = sum(lv.seq.steps[-1].accepted for lv in lives)
         if drafted and split is not None:
-            self._after_verify(check, lives, split, expected, sum(lv.seq.steps[-1].accepted for lv in lives),
-                               forward_s, sum(p[2] for p in proposed))
-        host_s = time.perf_counter() - t_step - forward_s - sum(p[2] for p in proposed)
+            self._after_verify(check, lives, split, expected, accepted, forward_s, sum(p[2] for p in proposed))
+        step_s = time.perf_counter() - t_step
+        host_s = step_s - forward_s - sum(p[2] for p in proposed)
+        verified_drafts = any(len(t) > 1 for t in trees)
         if lives:
-            self.host_overhead.observe(any(len(t) > 1 for t in trees), max(0.0, host_s))
+            self.host_overhead.observe(verified_drafts, max(0.0, host_s))
+        if split is not None and not arriving:
+            self._after_step(check, verified_drafts, len(lives) + accepted, step_s, vanilla_s, len(lives))
         for a, start in zip(arriving, starts):
             rid = a.request.request_id
             if a.state.length < len(a.seq.prompt_ids):  # a chunk: the prompt goes on next step

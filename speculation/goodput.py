@@ -42,7 +42,7 @@ t = 1 .. 1 + max cap and keeps the best G. ``n_b = 0`` (a tree of one token: pla
 that sequence) happens whenever its q's do not pay, and t = 1 (batched vanilla) is always a
 candidate, so speculation is never chosen at a predicted loss.
 
-Two guards around the rule, both in :class:`~speculation.engine.BatchEngine`:
+Three guards around the rule, all in :class:`~speculation.engine.BatchEngine`:
 
 - **Draft at all?** Before drafting, the engine runs the rule on the trees it expects, with
   drafting *not yet spent*: a split that verifies drafts pays ``d`` (the EMA of past drafting
@@ -54,6 +54,10 @@ Two guards around the rule, both in :class:`~speculation.engine.BatchEngine`:
   If the expected trees cannot pay, nor full trees, drafters that can sit out a step
   (:class:`~speculation.drafters.base.SkippableDrafter`) are not called: the step is batched
   vanilla at batched vanilla's price.
+- **Did drafting pay?** (:class:`RealisedPayoff`) The engine compares the realised rate of its
+  drafted steps with that of its plain ones. While drafted steps lose, a step the rule would draft
+  sits out instead, except every ``retest_every``-th one, which drafts as the rule says and
+  re-measures; a re-test that leaves drafting losing doubles ``retest_every``.
 - **Ranks open by doubling** (:func:`exploration_cap`): a sequence verifies at most
   ``2 E + 1`` draft ranks, E the leading ranks verified so far, and new sequences start from
   the engine's pooled estimate, so a fresh engine does not verify whole trees on no evidence.
@@ -251,6 +255,49 @@ class HostOverhead:
         return 0.0 if d is None else max(0.0, d - (v or 0.0))
 
 
+class RealisedPayoff:
+    """Did drafting pay, as served? The realised rate of the steps that verified draft nodes
+    against that of the steps that did not, each normalised by the grid's vanilla rate at its own
+    batch size and context (so a step of 8 sequences over 900 keys and one of 4 over 100 compare)::
+
+        rho = (tokens the step gained / its wall seconds) / (B / c(B, 1, L))
+        rho_k <- decay rho_k + (1 - decay) rho        (k = drafted or plain, EMAs)
+        LOSES  iff  both kinds seen >= min_steps times  and  rho_drafted < rho_plain
+
+    Why: the rule decides on predictions (acceptance estimates, a cost grid, host and drafting
+    EMAs), each corrected on its own; their errors can still add up to drafted steps that lose
+    (bf16, B = 8: drafted 109 steps against 128 at a 65 ms ITL p50 against 54 ms, 0.93x batched
+    vanilla). This compares outcomes, the whole step's seconds included, so nothing is left out.
+    Only the engine's own steps enter: an engine that drafts every step (no plain step to compare
+    with, as at B = 1 when drafting pays) never reads LOSES. Steps that prefill an arriving prompt
+    are not observed (their forward is mostly the prompt's)."""
+
+    def __init__(self, decay: float = 0.9, min_steps: int = 4) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"RealisedPayoff decay must be in [0, 1), got {decay}")
+        if min_steps < 1:
+            raise ValueError(f"RealisedPayoff min_steps must be >= 1, got {min_steps}")
+        self.decay, self.min_steps = decay, min_steps
+        self.rate: dict[bool, float] = {True: 0.0, False: 0.0}
+        self.steps: dict[bool, int] = {True: 0, False: 0}
+
+    def observe(self, drafted: bool, tokens: float, seconds: float, vanilla_s: float, batch: int) -> None:
+        """One served step: ``tokens`` gained by all sequences in ``seconds`` of wall time;
+        ``vanilla_s`` = c(B, 1, L) for its ``batch`` size B (the grid, uncorrected)."""
+        if seconds <= 0 or vanilla_s <= 0 or batch < 1:
+            return
+        rho = (tokens / seconds) / (batch / vanilla_s)
+        n = self.steps[drafted]
+        self.rate[drafted] = rho if n == 0 else self.decay * self.rate[drafted] + (1 - self.decay) * rho
+        self.steps[drafted] = n + 1
+
+    @property
+    def loses(self) -> bool:
+        """Drafted steps realised less than plain ones (class docstring)."""
+        seen = all(n >= self.min_steps for n in self.steps.values())
+        return seen and self.rate[True] < self.rate[False]
+
+
 def exploration_cap(explored: int) -> int:
     """Most draft ranks a sequence may verify when ``explored`` leading ranks have been verified:
     ``2 * explored + 1`` (ranks open by doubling: 1, 3, 7, 15, ...).
@@ -286,6 +333,15 @@ class Split:
         return len(self.drafts) + sum(self.drafts)
 
 
+def step_context(layout: BatchLayout, contexts: Sequence[int] | None) -> float:
+    """The committed context L a step is priced at: the mean of the sequences' lengths in a FLAT
+    step (every row attends over its own keys), the longest in a PADDED one (module docstring);
+    0 when the lengths are not given."""
+    if not contexts:
+        return 0.0
+    return statistics.fmean(contexts) if layout is BatchLayout.FLAT else float(max(contexts))
+
+
 def split_budget(
     estimates: Sequence[Sequence[float]],
     caps: Sequence[int],
@@ -315,10 +371,9 @@ def split_budget(
     qs = [list(estimates[b])[: max(caps[b], 0)] for b in range(B)]
     ranked = sorted(((q, r, b) for b, qb in enumerate(qs) for r, q in enumerate(qb)), key=lambda x: -x[0])
     room = None if budget is None else max(0, budget - B)
+    L = step_context(cost.layout, contexts)
     if cost.layout is BatchLayout.FLAT:
-        mean_l = statistics.fmean(contexts) if contexts is not None else 0.0
-        return _split_flat(ranked, B, room, cost, mean_l, drafting_s, correction, drafting_spent, verify_overhead_s)
-    L = max(contexts) if contexts is not None else 0
+        return _split_flat(ranked, B, room, cost, L, drafting_s, correction, drafting_spent, verify_overhead_s)
     # prefix[b][n] = sum of sequence b's n best q's
     prefix = [list(itertools.accumulate(q, initial=0.0)) for q in qs]
     sizes = 2 + max(len(q) for q in qs)

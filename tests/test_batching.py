@@ -31,7 +31,7 @@ from speculation.engine import (
     generate_speculative,
     generate_vanilla,
 )
-from speculation.tree import DraftTree
+from speculation.tree import DraftTree, NodeSource
 from tests.helpers import (
     GreedyOracleDrafter,
     RandomTreeDrafter,
@@ -931,3 +931,106 @@ def test_smollm2_batched_equals_solo_vanilla(smol_fp32):
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             got = res[f"r{i}"].tokens
             assert got == ref, f"{name}, prompt {i}: {_margin_report(smol_fp32.model, p, ref, got)}"
+
+
+def test_realised_payoff_compares_drafted_and_plain_steps_at_the_grids_vanilla_rate():
+    """rho = (tokens / seconds) / (B / c(B, 1, L)) per step, EMAs per kind; LOSES only once both
+    kinds were seen min_steps times and drafted steps realised less."""
+    from speculation.goodput import RealisedPayoff
+
+    p = RealisedPayoff(decay=0.5, min_steps=2)
+    p.observe(True, tokens=10, seconds=0.1, vanilla_s=0.05, batch=8)  # 100 tok/s against 160: rho 0.625
+    p.observe(True, tokens=10, seconds=0.1, vanilla_s=0.05, batch=8)
+    assert p.rate[True] == pytest.approx(0.625) and not p.loses  # no plain step yet: nothing to compare
+    p.observe(False, tokens=8, seconds=0.05, vanilla_s=0.05, batch=8)  # as the grid says: rho 1
+    assert not p.loses  # plain seen once, min_steps 2
+    p.observe(False, tokens=4, seconds=0.025, vanilla_s=0.025, batch=4)  # another batch size, same rho
+    assert p.rate[False] == pytest.approx(1.0) and p.loses
+    p.observe(True, tokens=30, seconds=0.1, vanilla_s=0.05, batch=8)  # rho 1.875: EMA 1.25
+    assert p.rate[True] == pytest.approx(1.25) and not p.loses
+    p.observe(True, tokens=5, seconds=0.0, vanilla_s=0.05, batch=8)  # no time measured: no evidence
+    assert p.steps[True] == 3
+    with pytest.raises(ValueError, match=r"RealisedPayoff decay must be in \[0, 1\)"):
+        RealisedPayoff(decay=1.0)
+    with pytest.raises(ValueError, match="RealisedPayoff min_steps must be >= 1"):
+        RealisedPayoff(min_steps=0)
+
+
+class _HalfSilentLookup:
+    """Proposes the true greedy continuation (looked up in the solo reference: drafting costs
+    nothing) as a chain of ``depth`` on every other call, the root alone on the others; can sit out."""
+
+    name = "half-silent-lookup"
+    needs_aux = False
+    target_topk = 0
+
+    def __init__(self, full_texts: list[list[int]], depth: int = 4):
+        self.texts, self.depth, self.calls = full_texts, depth, 0
+
+    def begin(self, ctx, prompt_aux):
+        pass
+
+    def propose(self, ctx):
+        self.calls += 1
+        tree = DraftTree(ctx.root_token)
+        n = len(ctx.tokens)
+        text = next((t for t in self.texts if t[:n] == ctx.tokens), None)
+        if self.calls % 2 and text is not None and len(text) > n:
+            chain = text[n: n + self.depth]
+            tree.add_chain(0, chain, [-(i + 1) * 0.5 for i in range(len(chain))], NodeSource.DRAFTER)
+        return Proposal(tree)
+
+    def skip(self, ctx):
+        pass
+
+    def observe(self, ctx, outcome):
+        pass
+
+
+class _DearTrees:
+    """The tiny target, except that a verify with any draft node sleeps ``extra_s`` more: drafted
+    forwards far dearer than the grid the engine was given says."""
+
+    def __init__(self, target, extra_s: float):
+        self._target, self.extra_s = target, extra_s
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def verify_batch(self, states, trees, **kw):
+        if any(len(t) > 1 for t in trees):
+            time.sleep(self.extra_s)
+        return self._target.verify_batch(states, trees, **kw)
+
+
+def test_goodput_vetoes_drafting_that_realises_less_than_plain_steps_and_retests_with_backoff():
+    """The grid says draft nodes are almost free, and the oracle's trees are accepted, so the rule
+    keeps drafting; but every drafted forward really costs 60 ms more. Once drafted steps have
+    realised fewer tokens per second than plain ones, the engine vetoes the rule's drafting
+    (sits out) and re-tests it at doubling spacing; the same engine without the delay keeps
+    drafting. Outputs equal solo vanilla either way."""
+    from speculation.goodput import BatchCostModel
+
+    target = tiny_target(_model())
+    flat = BatchCostModel({8: {1: {1: 0.004, 64: 0.0042}, 4: {1: 0.004, 64: 0.0042}}})  # trees look free
+    cfg = BatchConfig(max_sequences=2, max_tokens_per_sequence=96, goodput=True, fold_prefills=False)
+    reqs = [Request(f"r{i}", p, 60, GREEDY, stop_at_eos=False) for i, p in enumerate(PROMPTS[1:3])]
+    texts = [p + _solo_vanilla(target, p, 61) for p in PROMPTS[1:3]]
+    counts = {}
+    for extra in (0.06, 0.0):
+        engine = BatchEngine(_DearTrees(target, extra), lambda: _HalfSilentLookup(texts), cfg, cost_model=flat)
+        results, updates = _drive(engine, reqs, [0, 0])
+        for i, p in enumerate(PROMPTS[1:3]):
+            assert results[f"r{i}"].tokens == _solo_vanilla(target, p, 60)
+        steps = [u.step for u in updates["r0"] if u.step is not None]
+        vetoed = [i for i, s in enumerate(steps) if s.stats["goodput_drafting_vetoed"] == 1.0]
+        retests = [i for i, s in enumerate(steps) if s.stats["goodput_drafting_retest"] == 1.0]
+        assert all(steps[i].tree_size == 1 for i in vetoed)
+        counts[extra] = (len(vetoed), retests, engine)
+    vetoed, retests, engine = counts[0.06]
+    assert engine.payoff.loses and vetoed > 10, (vetoed, engine.payoff.rate)
+    assert len(retests) >= 2
+    gaps = [b - a for a, b in zip(retests, retests[1:])]
+    assert gaps == sorted(gaps), gaps  # re-tests back off while drafting keeps losing
+    assert engine._retest_every > 1
+    assert counts[0.0][0] == 0 and not counts[0.0][2].payoff.loses  # nothing to veto when drafting pays
