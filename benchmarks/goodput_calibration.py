@@ -59,6 +59,8 @@ def _run(target, factory, prompts: list[list[int]], max_new_tokens: int) -> tupl
                 "row_tokens": recs[0].stats.get("goodput_row_tokens"),
                 "drafting_skipped": recs[0].stats.get("goodput_drafting_skipped"),
                 "drafting_probe": recs[0].stats.get("goodput_drafting_probe"),
+                "drafting_vetoed": recs[0].stats.get("goodput_drafting_vetoed"),
+                "drafting_retest": recs[0].stats.get("goodput_drafting_retest"),
                 "tree_tokens": recs[0].stats.get("batch_tree_tokens"),
                 "gained": sum(r.tokens_gained for r in recs),
                 "drafting_s": sum(r.drafting_s for r in recs),
@@ -77,6 +79,8 @@ def _totals(rows: list[dict]) -> dict:
             "tokens": sum(r["gained"] for r in rows),
             "tokens_per_s": sum(r["gained"] for r in rows) / sum(r["step_s"] for r in rows),
             "steps_drafted": len(drafted), "steps_probed": sum(r.get("drafting_probe") == 1.0 for r in rows),
+            "steps_vetoed": sum(r.get("drafting_vetoed") == 1.0 for r in rows),
+            "steps_retested": sum(r.get("drafting_retest") == 1.0 for r in rows),
             "drafting_s": sum(r["drafting_s"] for r in rows)}
 
 

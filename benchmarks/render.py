@@ -208,6 +208,16 @@ def render_concurrency(res: dict) -> list[str]:
                 f"{_f(m['request_tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} | "
                 f"{_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {_tau_cell(m)} | "
                 f"{_f(m.get('mean_tree_tokens_per_seq_step'), 1)} | {_f(m.get('lossless'))} |")
+    ruled = [(n, name, m["goodput_verdicts"]) for n, level in res["concurrency"].items()
+             for name, m in level["methods"].items() if m.get("goodput_verdicts")]
+    if ruled:
+        lines += ["", "The goodput rule's verdict before drafting, share of sequence steps (veto: the rule would "
+                      "draft, but drafted steps had realised less than plain ones; retest: a vetoed step drafted "
+                      "anyway to re-measure):", "", "| N | method | draft | probe | retest | skip | veto |",
+                  "|---|---|---|---|---|---|---|"]
+        for n, name, v in ruled:
+            lines.append(f"| {n} | {name} | " + " | ".join(f"{100 * v[k]:.0f}%" for k in
+                                                        ("draft", "probe", "retest", "skip", "veto")) + " |")
     return lines
 
 
@@ -403,7 +413,11 @@ def _harmful_lines(h: dict) -> list[str]:
             f"| the {h['affected_requests']} request(s) from the swap to the guard's verdict | "
             f"{_f(h['affected_tokens_per_s'], 3, '×')} |"] + (
         [f"| the {h['before_swap_requests']} requests of the phase before the swap (same weights in both: noise) | "
-         f"{_f(h['before_swap_tokens_per_s'], 3, '×')} |"] if h.get("before_swap_tokens_per_s") is not None else [])
+         f"{_f(h['before_swap_tokens_per_s'], 3, '×')} |"] if h.get("before_swap_tokens_per_s") is not None else []) + (
+        ["", f"The affected request(s) took {_f(h['affected_extra_s'], 2)} s beyond static's same requests: "
+             f"**{_f(100 * h['cost_share_of_phase'], 2)}%** of the harmful policy's {_f(h['phase_serving_s'], 1)} s "
+             f"serving the phase (read on the swap's own requests, so the phase's request-to-request noise, "
+             f"the row above, does not enter)."] if h.get("cost_share_of_phase") is not None else [])
 
 
 def render_linear_kernels(res: dict) -> list[str]:

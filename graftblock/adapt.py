@@ -43,7 +43,10 @@ alone. Output JSON::
                              "affected_tokens_per_s" (harmful / static, the requests from the swap
                              to the rollback), "before_swap_tokens_per_s" (harmful / static on the
                              phase's requests before the swap, where both serve the same weights:
-                             the noise floor)}}
+                             the noise floor), "affected_extra_s" (seconds the affected requests
+                             took beyond static's same requests), "cost_share_of_phase" (those
+                             seconds over the harmful policy's serving seconds of the phase: the
+                             swap's cost read on its own requests, not through the phase's noise)}}
 
 Every decision is also an MLflow metric of the run (``tracking.adaptation``).
 """
@@ -621,7 +624,7 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
             }
         common = {"tokens_per_s": n_tok / sum(run.walls), "tau": sum(run.taus) / len(run.taus),
                   "lossless": run.tokens == ref, "per_phase": per_phase, "tau_series": run.taus,
-                  "tokens_per_s_series": speeds, "phase_series": run.phases,
+                  "tokens_per_s_series": speeds, "wall_series": run.walls, "phase_series": run.phases,
                   "serving_s": sum(run.walls), "foreign_s": run.clock.foreign_s}
         if run.adapter is not None:
             s = run.adapter.summary()
@@ -697,4 +700,8 @@ def _harmful_summary(args: argparse.Namespace, run: _PolicyRun, static: _PolicyR
             "affected_tokens_per_s": speed(run, affected) / speed(static, affected),
             "affected_requests": len(affected),
             "before_swap_tokens_per_s": speed(run, before) / speed(static, before) if before else None,
-            "before_swap_requests": len(before)}
+            "before_swap_requests": len(before),
+            "affected_extra_s": sum(run.walls[j] - static.walls[j] for j in affected),
+            "phase_serving_s": sum(run.walls[j] for j in in_phase),
+            "cost_share_of_phase": sum(run.walls[j] - static.walls[j] for j in affected)
+                                   / sum(run.walls[j] for j in in_phase)}

@@ -1034,3 +1034,20 @@ def test_goodput_vetoes_drafting_that_realises_less_than_plain_steps_and_retests
     assert gaps == sorted(gaps), gaps  # re-tests back off while drafting keeps losing
     assert engine._retest_every > 1
     assert counts[0.0][0] == 0 and not counts[0.0][2].payoff.loses  # nothing to veto when drafting pays
+
+
+def test_bench_reports_the_goodput_verdict_shares():
+    """bench --concurrency --goodput: the share of sequence steps per verdict before drafting, read
+    from the step records (VETO steps also carry goodput_drafting_skipped = 1)."""
+    from types import SimpleNamespace
+
+    from speculation.bench.runner import _goodput_verdicts
+
+    def rec(skipped=0.0, probe=0.0, vetoed=0.0, retest=0.0):
+        return SimpleNamespace(stats={"goodput_drafting_skipped": skipped, "goodput_drafting_probe": probe,
+                                      "goodput_drafting_vetoed": vetoed, "goodput_drafting_retest": retest})
+
+    steps = [rec(), rec(), rec(skipped=1.0), rec(skipped=1.0, vetoed=1.0), rec(probe=1.0), rec(retest=1.0),
+             rec(skipped=1.0, vetoed=1.0), rec()]
+    assert _goodput_verdicts(steps) == {"draft": 3 / 8, "probe": 1 / 8, "retest": 1 / 8, "skip": 1 / 8, "veto": 2 / 8}
+    assert _goodput_verdicts([SimpleNamespace(stats={})]) is None  # no goodput rule, no shares

@@ -718,6 +718,9 @@ def test_adapt_bench_harmful_policy_swaps_once_and_stays_lossless(tiny_model_dir
     assert 2 <= harm["rollback_request"] <= 3 and harm["requests_to_rollback"] == harm["rollback_request"] - 1
     assert harm["phase_tokens_per_s"] > 0 and harm["affected_requests"] == harm["requests_to_rollback"]
     assert harm["before_swap_requests"] == 2 and harm["before_swap_tokens_per_s"] > 0
+    walls = pol["harmful"]["wall_series"]
+    assert harm["phase_serving_s"] == pytest.approx(sum(walls)) and len(walls) == 4
+    assert harm["cost_share_of_phase"] == pytest.approx(harm["affected_extra_s"] / sum(walls))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -88,6 +88,22 @@ def environment() -> dict:
     }
 
 
+def _goodput_verdicts(steps: list) -> dict[str, float] | None:
+    """Share of sequence steps per goodput verdict before drafting (``DraftingCheck``: draft,
+    probe, retest, skip, veto), from the step records' stats; None without the goodput rule."""
+    ruled = [s for s in steps if "goodput_drafting_skipped" in s.stats]
+    if not ruled:
+        return None
+    counts = dict.fromkeys(("draft", "probe", "retest", "skip", "veto"), 0)
+    for s in ruled:
+        st = s.stats
+        kind = ("veto" if st.get("goodput_drafting_vetoed") else "retest" if st.get("goodput_drafting_retest")
+                else "probe" if st.get("goodput_drafting_probe") else "skip" if st["goodput_drafting_skipped"]
+                else "draft")
+        counts[kind] += 1
+    return {k: v / len(ruled) for k, v in counts.items()}
+
+
 class _Runner:
     """Runs one method (or peer) on turns, keeping per-method conversation histories."""
 
@@ -356,6 +372,9 @@ def run_concurrency(
                 "steps": engine.steps_run,
                 "wall_s": wall,
             }
+            verdicts = _goodput_verdicts(spec_steps)
+            if verdicts is not None:
+                m["goodput_verdicts"] = verdicts
             if refs is None:
                 m["lossless"] = None
             else:
