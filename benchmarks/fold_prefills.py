@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/fold_prefills.py --dtype float32 --json benchmarks/results/fold_prefills_fp32.json
     .venv/bin/python benchmarks/fold_prefills.py --dtype float32 --chunk 128 --json benchmarks/results/chunked_prefill_fp32.json
     .venv/bin/python benchmarks/fold_prefills.py --dtype float32 --chunk 128 --step-budget 256 --concurrency 16 --json OUT.json
+    .venv/bin/python benchmarks/fold_prefills.py --dtype bfloat16 --method retrieval --goodput --veto --concurrency 4,8 --json OUT.json
 
 Runs the closed loop of ``graftblock bench --concurrency`` (:func:`~speculation.bench.runner.run_concurrency`:
 N clients, each sending the next Spec-Bench first turn when its request ends) through
@@ -11,12 +12,13 @@ N clients, each sending the next Spec-Bench first turn when its request ends) th
 prompt is one more causal row of the step's flat forward) and off (each arriving prompt gets its
 own forward before the step); with ``--chunk C``, ``prefill_chunk_tokens=C`` (a long prompt is
 prefilled C tokens per step; ``--step-budget S`` adds ``prefill_step_tokens=S``) against whole
-prompts (both folded). The arms alternate run by run
+prompts (both folded); with ``--veto`` (and ``--goodput``), the goodput rule with its realised-payoff
+veto (``payoff_veto``) against the rule's predictions alone. The arms alternate run by run
 (which arm goes first alternates too), so a drifting host hits both alike. Reports per N and arm
 the median over ``--repeats`` of total tokens/s, TTFT p50/p99 and ITL p50/p99/max, and the paired
 ratio first arm / second arm per repeat (median, and how many repeats were faster), plus whether
 each arm equals its solo vanilla run token for token (greedy; the chunked arm's solo run chunks
-alike).
+alike), and with the goodput rule the mean share of sequence steps per verdict before drafting.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare prefill_chunk_tokens=CHUNK against whole-prompt prefill instead")
     ap.add_argument("--step-budget", type=int, default=None,
                     help="with --chunk: also cap the prompt tokens per step (prefill_step_tokens)")
+    ap.add_argument("--veto", action="store_true",
+                    help="compare the goodput rule with its realised-payoff veto against without (needs --goodput)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from graftblock.cli import _parse_concurrency
@@ -62,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--chunk must be >= 1, got {args.chunk}")
     if args.step_budget is not None and (args.chunk is None or args.step_budget < args.chunk):
         ap.error(f"--step-budget needs --chunk and must be >= it, got {args.step_budget}")
-    if args.chunk is None:
+    if args.veto and (not args.goodput or args.chunk is not None):
+        ap.error("--veto compares the goodput rule's payoff veto: it needs --goodput and no --chunk")
+    if args.veto:
+        arms = {"veto": {"payoff_veto": True}, "no veto": {"payoff_veto": False}}
+    elif args.chunk is None:
         arms = FOLD_ARMS
     elif args.step_budget is None:
         arms = {f"chunked {args.chunk}": {"prefill_chunk_tokens": args.chunk}, "whole": {}}
@@ -81,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     target = _load_target(args.model, args.dtype)
-    if not target.folds_prefills:
+    if not target.folds_prefills and not args.veto:
         ap.error(f"{args.model} in {args.dtype} does not run the flat batch here: nothing folds")
     questions = assets.load_questions("spec_bench", args.questions)
     greedy = SamplingConfig(temperature=0.0)
@@ -111,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         for a, ms in runs[n].items():
             arms[a]["lossless"] = all(m["lossless"] is True for m in ms)
             arms[a]["steps"] = statistics.median(m["steps"] for m in ms)
+            verdicts = [m["goodput_verdicts"] for m in ms if m.get("goodput_verdicts")]
+            if verdicts:
+                arms[a]["goodput_verdicts"] = {k: statistics.fmean(v[k] for v in verdicts) for k in verdicts[0]}
         a0, a1 = (runs[n][a] for a in arms)
         ratios = sorted(f["tokens_per_s"] / u["tokens_per_s"] for f, u in zip(a0, a1))
         result[n] = {"arms": arms, "ratio_tokens_per_s_paired": ratios,
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["benchmarks/fold_prefills.py", *(argv if argv is not None else sys.argv[1:])]),
         "env": environment(), "model": args.model, "dtype": args.dtype, "method": args.method,
         "goodput": args.goodput, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "chunk": args.chunk, "step_budget": args.step_budget, "prompt_tokens": sorted(len(p) for p in prompts),
+        "chunk": args.chunk, "step_budget": args.step_budget, "veto": args.veto, "prompt_tokens": sorted(len(p) for p in prompts),
         "repeats": args.repeats, "concurrency": {str(n): v for n, v in result.items()},
     }
     emit_json(out, args.json)

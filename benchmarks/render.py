@@ -60,6 +60,7 @@ SECTIONS: dict[str, str] = {
     "concurrency_vllm_specbench_fp32": "Continuous batching against vLLM's: the same closed loop on both engines (fp32)",
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
+    "payoff_veto_bf16": "Goodput rule: the realised-payoff veto against the rule's predictions alone, side by side (retrieval, bf16)",
     "single_query_attention_bf16": "Single-query attention in bf16: the half-precision SDPA call against the same call widened to fp32, kernel and closed loop (vanilla, bf16)",
     "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
     "chunked_prefill_fp32": "Continuous batching: chunked prefill (128-token chunks) against whole-prompt prefill (retrieval, goodput rule, fp32)",
@@ -585,20 +586,26 @@ def _paired_cell(level: dict) -> str:
 
 
 def render_fold_prefills(res: dict) -> list[str]:
-    """Prefills folded into the step against their own forwards (or chunked against whole prompts):
-    per N and arm, medians over repeats."""
+    """Prefills folded into the step against their own forwards (or chunked against whole prompts,
+    or the goodput rule with its payoff veto against without): per N and arm, medians over repeats."""
     names = list(next(iter(res["concurrency"].values()))["arms"])
+    verdicts = any(m.get("goodput_verdicts") for level in res["concurrency"].values() for m in level["arms"].values())
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}`"
              f"{' (goodput rule)' if res.get('goodput') else ''}: {res['prompts']} Spec-Bench first turns, "
              f"{res['max_new_tokens']} new tokens each, closed loop; medians of {res['repeats']} repeats, arms "
              "alternating run by run.", "",
-             f"| N | arm | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 / max ms | lossless | {' / '.join(names)} tok/s (paired) |",
-             "|---|---|---|---|---|---|---|"]
+             f"| N | arm | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 / max ms | lossless | {' / '.join(names)} tok/s (paired) |"
+             + (" rule's verdicts, draft / probe / retest / skip / veto |" if verdicts else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if verdicts else "")]
     for n, level in res["concurrency"].items():
         for i, (arm, m) in enumerate(level["arms"].items()):
             cell = _paired_cell(level) if i == 0 else ""
+            v = m.get("goodput_verdicts")
+            shares = (" " + " / ".join(f"{100 * v[k]:.0f}%" for k in ("draft", "probe", "retest", "skip", "veto"))
+                      + " |") if v else (" – |" if verdicts else "")
             lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} "
-                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} / {_ms(m.get('itl_max_s'))} | {_f(m['lossless'])} | {cell} |")
+                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} / {_ms(m.get('itl_max_s'))} | {_f(m['lossless'])} | {cell} |"
+                         + shares)
     return lines
 
 

@@ -185,7 +185,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                     goodput=args.goodput, progress=cprogress,
                                                     fold_prefills=args.fold_prefills,
                                                     prefill_chunk_tokens=args.prefill_chunk_tokens,
-                                                    prefill_step_tokens=args.prefill_step_tokens)
+                                                    prefill_step_tokens=args.prefill_step_tokens,
+                                                    payoff_veto=args.payoff_veto)
             cbar.close()
     if args.ray:
         result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
@@ -310,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", default=None,
                    help="e.g. 1,4,8: also run closed-loop clients through the batched engine at each level")
     b.add_argument("--goodput", action="store_true", help="--concurrency: split tree tokens by the goodput rule")
+    b.add_argument("--payoff-veto", action=argparse.BooleanOptionalAction, default=True,
+                   help="--goodput: sit out drafting while drafted steps realise fewer tokens/s than plain ones "
+                        "(re-tested at doubling spacing); --no-payoff-veto keeps the rule's predictions alone")
     b.add_argument("--fold-prefills", action=argparse.BooleanOptionalAction, default=True,
                    help="--concurrency: prefill arriving prompts inside the batched step's forward where the "
                         "target allows it (the lean loop's flat batch); --no-fold-prefills gives each its own forward")

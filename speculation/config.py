@@ -750,6 +750,11 @@ class BatchConfig:
     goodput: bool = False
     """Split the step's tree-token budget across sequences with the goodput rule
     (:mod:`speculation.goodput`) instead of giving every sequence its full tree."""
+    payoff_veto: bool = True
+    """With ``goodput``: sit out the steps the rule would draft while the engine's drafted steps
+    have realised fewer tokens per second than its plain ones
+    (:class:`~speculation.goodput.RealisedPayoff`), re-testing at doubling spacing. False is the
+    A/B baseline (the rule's predictions alone)."""
     max_waiting: int = 4096
     """Requests queued for a slot at once; ``add`` refuses more. Range [0, 1048576]."""
     fold_prefills: bool = True
@@ -783,6 +788,8 @@ class BatchConfig:
             _check_int(o, "step_token_budget", self.step_token_budget, self.max_sequences, 1 << 20)
         if not isinstance(self.goodput, bool):
             raise ConfigError(f"{o}.goodput must be true or false, got {self.goodput!r}")
+        if not isinstance(self.payoff_veto, bool):
+            raise ConfigError(f"{o}.payoff_veto must be true or false, got {self.payoff_veto!r}")
         _check_int(o, "max_waiting", self.max_waiting, 0, 1 << 20)
         if not isinstance(self.fold_prefills, bool):
             raise ConfigError(f"{o}.fold_prefills must be true or false, got {self.fold_prefills!r}")

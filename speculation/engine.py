@@ -796,7 +796,7 @@ class BatchEngine:
         full = [c - 1 for c in caps]
         expected = [f if lv.draft_size is None else min(f, round(lv.draft_size)) for lv, f in zip(lives, full)]
         if any(self._split(lives, expected, self.drafting_s, spent=False).drafts):
-            if not self.payoff.loses:
+            if not (self.config.payoff_veto and self.payoff.loses):
                 return DraftingCheck.DRAFT
             self._vetoes_since_draft += 1
             return DraftingCheck.RETEST if self._vetoes_since_draft > self._retest_every else DraftingCheck.VETO

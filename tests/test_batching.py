@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-
+import dataclasses
 import time
 
 import pytest
@@ -1017,8 +1017,9 @@ def test_goodput_vetoes_drafting_that_realises_less_than_plain_steps_and_retests
     reqs = [Request(f"r{i}", p, 60, GREEDY, stop_at_eos=False) for i, p in enumerate(PROMPTS[1:3])]
     texts = [p + _solo_vanilla(target, p, 61) for p in PROMPTS[1:3]]
     counts = {}
-    for extra in (0.06, 0.0):
-        engine = BatchEngine(_DearTrees(target, extra), lambda: _HalfSilentLookup(texts), cfg, cost_model=flat)
+    for extra, veto in ((0.06, True), (0.0, True), (0.06, False)):
+        engine = BatchEngine(_DearTrees(target, extra), lambda: _HalfSilentLookup(texts),
+                             dataclasses.replace(cfg, payoff_veto=veto), cost_model=flat)
         results, updates = _drive(engine, reqs, [0, 0])
         for i, p in enumerate(PROMPTS[1:3]):
             assert results[f"r{i}"].tokens == _solo_vanilla(target, p, 60)
@@ -1026,14 +1027,18 @@ def test_goodput_vetoes_drafting_that_realises_less_than_plain_steps_and_retests
         vetoed = [i for i, s in enumerate(steps) if s.stats["goodput_drafting_vetoed"] == 1.0]
         retests = [i for i, s in enumerate(steps) if s.stats["goodput_drafting_retest"] == 1.0]
         assert all(steps[i].tree_size == 1 for i in vetoed)
-        counts[extra] = (len(vetoed), retests, engine)
-    vetoed, retests, engine = counts[0.06]
+        counts[extra, veto] = (len(vetoed), retests, engine)
+    vetoed, retests, engine = counts[0.06, True]
     assert engine.payoff.loses and vetoed > 10, (vetoed, engine.payoff.rate)
     assert len(retests) >= 2
     gaps = [b - a for a, b in zip(retests, retests[1:])]
     assert gaps == sorted(gaps), gaps  # re-tests back off while drafting keeps losing
     assert engine._retest_every > 1
-    assert counts[0.0][0] == 0 and not counts[0.0][2].payoff.loses  # nothing to veto when drafting pays
+    assert counts[0.0, True][0] == 0 and not counts[0.0, True][2].payoff.loses  # nothing to veto when drafting pays
+    # payoff_veto false (the A/B baseline): the same losing drafts are measured, never vetoed
+    assert counts[0.06, False][0] == 0 and not counts[0.06, False][1] and counts[0.06, False][2].payoff.loses
+    with pytest.raises(ConfigError, match="batch.payoff_veto must be true or false"):
+        BatchConfig(payoff_veto="yes")
 
 
 def test_bench_reports_the_goodput_verdict_shares():

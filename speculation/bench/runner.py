@@ -262,6 +262,7 @@ def run_concurrency(
     refs: list[list[int]] | None = None,
     prefill_chunk_tokens: int | None = None,
     prefill_step_tokens: int | None = None,
+    payoff_veto: bool = True,
 ) -> dict:
     """Closed-loop clients over :class:`~speculation.engine.BatchEngine`, per concurrency N and method.
 
@@ -277,7 +278,8 @@ def run_concurrency(
     request finishes. ``fold_prefills``: ``BatchConfig.fold_prefills`` (arriving prompts prefilled
     inside the step's forward; False is the A/B baseline). ``prefill_chunk_tokens``:
     ``BatchConfig.prefill_chunk_tokens`` (chunked prefill; the solo references then chunk alike),
-    ``prefill_step_tokens``: its per-step budget.
+    ``prefill_step_tokens``: its per-step budget. ``payoff_veto``: ``BatchConfig.payoff_veto``
+    (with ``goodput``; False is the A/B baseline).
     ``refs``: the solo vanilla outputs of the first turns when already known (greedy), else
     computed here.
     """
@@ -309,7 +311,8 @@ def run_concurrency(
             engine = BatchEngine(target, factory, BatchConfig(max_sequences=n, max_tokens_per_sequence=slot_len,
                                                               goodput=goodput, fold_prefills=fold_prefills,
                                                               prefill_chunk_tokens=prefill_chunk_tokens,
-                                                              prefill_step_tokens=prefill_step_tokens))
+                                                              prefill_step_tokens=prefill_step_tokens,
+                                                              payoff_veto=payoff_veto))
             added: dict[str, float] = {}
             last: dict[str, float] = {}
             ttft: list[float] = []
@@ -383,7 +386,7 @@ def run_concurrency(
         base = methods[BASELINE]["tokens_per_s"]
         for m in methods.values():
             m["speedup"] = m["tokens_per_s"] / base
-        level: dict[str, Any] = {"methods": methods, "fold_prefills": fold_prefills,
+        level: dict[str, Any] = {"methods": methods, "fold_prefills": fold_prefills, "payoff_veto": payoff_veto,
                                  "prefill_chunk_tokens": prefill_chunk_tokens, "prefill_step_tokens": prefill_step_tokens}
         peer_rows: dict[str, dict] = {}
         for peer in parse_peers(",".join(cfg.peers)):
