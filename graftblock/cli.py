@@ -311,9 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", default=None,
                    help="e.g. 1,4,8: also run closed-loop clients through the batched engine at each level")
     b.add_argument("--goodput", action="store_true", help="--concurrency: split tree tokens by the goodput rule")
-    b.add_argument("--payoff-veto", action=argparse.BooleanOptionalAction, default=True,
+    b.add_argument("--payoff-veto", action=argparse.BooleanOptionalAction, default=False,
                    help="--goodput: sit out drafting while drafted steps realise fewer tokens/s than plain ones "
-                        "(re-tested at doubling spacing); --no-payoff-veto keeps the rule's predictions alone")
+                        "(re-tested at doubling spacing; batch.payoff_veto, off by default)")
     b.add_argument("--fold-prefills", action=argparse.BooleanOptionalAction, default=True,
                    help="--concurrency: prefill arriving prompts inside the batched step's forward where the "
                         "target allows it (the lean loop's flat batch); --no-fold-prefills gives each its own forward")

@@ -750,11 +750,13 @@ class BatchConfig:
     goodput: bool = False
     """Split the step's tree-token budget across sequences with the goodput rule
     (:mod:`speculation.goodput`) instead of giving every sequence its full tree."""
-    payoff_veto: bool = True
+    payoff_veto: bool = False
     """With ``goodput``: sit out the steps the rule would draft while the engine's drafted steps
     have realised fewer tokens per second than its plain ones
-    (:class:`~speculation.goodput.RealisedPayoff`), re-testing at doubling spacing. False is the
-    A/B baseline (the rule's predictions alone)."""
+    (:class:`~speculation.goodput.RealisedPayoff`), re-testing at doubling spacing. Off by
+    default: in two interleaved A/Bs (bf16, retrieval, N = 4 and 8) it won 5 of 6 pairs, then
+    4 of 8 with a median of 0.96x at N = 4, where it kept out drafting that paid
+    (``benchmarks/results/payoff_veto_bf16.json``)."""
     max_waiting: int = 4096
     """Requests queued for a slot at once; ``add`` refuses more. Range [0, 1048576]."""
     fold_prefills: bool = True

@@ -787,7 +787,8 @@ class BatchEngine:
           pay in realised tokens (:meth:`_after_verify`) doubles ``probe_every`` (up to
           :attr:`MAX_PROBE_EVERY`), a drafted step that paid resets it to 1.
 
-        A DRAFT verdict is then checked against what drafting realised (:attr:`payoff`): while
+        With ``config.payoff_veto``, a DRAFT verdict is then checked against what drafting realised
+        (:attr:`payoff`, measured either way): while
         drafted steps have served fewer tokens per second than plain ones, it becomes VETO (sit
         out), except every ``retest_every``-th such step, RETEST (draft as DRAFT would, and
         re-measure); a re-test after which drafting still loses doubles ``retest_every`` (up to

@@ -54,10 +54,11 @@ Three guards around the rule, all in :class:`~speculation.engine.BatchEngine`:
   If the expected trees cannot pay, nor full trees, drafters that can sit out a step
   (:class:`~speculation.drafters.base.SkippableDrafter`) are not called: the step is batched
   vanilla at batched vanilla's price.
-- **Did drafting pay?** (:class:`RealisedPayoff`) The engine compares the realised rate of its
-  drafted steps with that of its plain ones. While drafted steps lose, a step the rule would draft
-  sits out instead, except every ``retest_every``-th one, which drafts as the rule says and
-  re-measures; a re-test that leaves drafting losing doubles ``retest_every``.
+- **Did drafting pay?** (:class:`RealisedPayoff`, with ``batch.payoff_veto``, off by default) The
+  engine compares the realised rate of its drafted steps with that of its plain ones. While
+  drafted steps lose, a step the rule would draft sits out instead, except every
+  ``retest_every``-th one, which drafts as the rule says and re-measures; a re-test that leaves
+  drafting losing doubles ``retest_every``.
 - **Ranks open by doubling** (:func:`exploration_cap`): a sequence verifies at most
   ``2 E + 1`` draft ranks, E the leading ranks verified so far, and new sequences start from
   the engine's pooled estimate, so a fresh engine does not verify whole trees on no evidence.

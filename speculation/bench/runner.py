@@ -262,7 +262,7 @@ def run_concurrency(
     refs: list[list[int]] | None = None,
     prefill_chunk_tokens: int | None = None,
     prefill_step_tokens: int | None = None,
-    payoff_veto: bool = True,
+    payoff_veto: bool = False,
 ) -> dict:
     """Closed-loop clients over :class:`~speculation.engine.BatchEngine`, per concurrency N and method.
 
