@@ -15,6 +15,8 @@ from pathlib import Path
 
 from graftblock.adapt import HARMFUL_POLICY
 
+VERDICTS = ("draft", "probe", "retest", "skip", "veto")
+"""The goodput rule's verdicts before drafting (``DraftingCheck`` values), in the order the tables show them."""
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "BENCHMARKS.md"
@@ -218,7 +220,7 @@ def render_concurrency(res: dict) -> list[str]:
                   "|---|---|---|---|---|---|---|"]
         for n, name, v in ruled:
             lines.append(f"| {n} | {name} | " + " | ".join(f"{100 * v[k]:.0f}%" for k in
-                                                        ("draft", "probe", "retest", "skip", "veto")) + " |")
+                                                        VERDICTS) + " |")
     return lines
 
 
@@ -601,7 +603,7 @@ def render_fold_prefills(res: dict) -> list[str]:
         for i, (arm, m) in enumerate(level["arms"].items()):
             cell = _paired_cell(level) if i == 0 else ""
             v = m.get("goodput_verdicts")
-            shares = (" " + " / ".join(f"{100 * v[k]:.0f}%" for k in ("draft", "probe", "retest", "skip", "veto"))
+            shares = (" " + " / ".join(f"{100 * v[k]:.0f}%" for k in VERDICTS)
                       + " |") if v else (" – |" if verdicts else "")
             lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} "
                          f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} / {_ms(m.get('itl_max_s'))} | {_f(m['lossless'])} | {cell} |"

@@ -36,15 +36,20 @@ alone. Output JSON::
                              "serving_s" (its requests' seconds), "foreign_s" (the other
                              policies' seconds, outside its :class:`ServingClock`),
                              config_ucb only: "arm_series", "config_bandit": {regret, pulls, arms …}}},
-     "harmful" (with the harmful policy): {"at_request", "phase", "rolled_back",
-                             "rollback_request", "requests_to_rollback", "watch_steps",
+     "harmful" (with the harmful policy): {"at_request", "phase", "seed", "rolled_back",
+                             "closed_as" (kept | rolled_back | null: the watch never closed),
+                             "rollback_request", "requests_to_rollback", "watch_steps", "guard_mode",
+                             "tau_pre", "tau_post" (live, before the swap and in the watch window),
                              "tau_replay_prev", "tau_replay_new", "guard_replay_s",
                              "phase_tokens_per_s" (harmful / static, the swap's phase),
                              "affected_tokens_per_s" (harmful / static, the requests from the swap
-                             to the rollback), "before_swap_tokens_per_s" (harmful / static on the
+                             to the rollback; "affected_requests" of them),
+                             "before_swap_tokens_per_s" (harmful / static on the
                              phase's requests before the swap, where both serve the same weights:
-                             the noise floor), "affected_extra_s" (seconds the affected requests
-                             took beyond static's same requests), "cost_share_of_phase" (those
+                             the noise floor; "before_swap_requests" of them),
+                             "affected_extra_s" (seconds the affected requests
+                             took beyond static's same requests), "phase_serving_s" (the harmful
+                             policy's seconds on the phase), "cost_share_of_phase" (those
                              seconds over the harmful policy's serving seconds of the phase: the
                              swap's cost read on its own requests, not through the phase's noise)}}
 
@@ -685,6 +690,8 @@ def _harmful_summary(args: argparse.Namespace, run: _PolicyRun, static: _PolicyR
     in_phase = [j for j, p in enumerate(run.phases) if p == phase]
     affected = list(range(at, until + 1))
     before = [j for j in in_phase if j < at]  # the same weights in both: how far apart noise alone puts them
+    extra_s = sum(run.walls[j] - static.walls[j] for j in affected)
+    phase_s = sum(run.walls[j] for j in in_phase)
     return {"at_request": at, "phase": phase, "seed": args.harmful_seed,
             "rolled_back": close is not None and close.outcome is Outcome.ROLLED_BACK,
             "closed_as": None if close is None else close.outcome.value,
@@ -701,7 +708,4 @@ def _harmful_summary(args: argparse.Namespace, run: _PolicyRun, static: _PolicyR
             "affected_requests": len(affected),
             "before_swap_tokens_per_s": speed(run, before) / speed(static, before) if before else None,
             "before_swap_requests": len(before),
-            "affected_extra_s": sum(run.walls[j] - static.walls[j] for j in affected),
-            "phase_serving_s": sum(run.walls[j] for j in in_phase),
-            "cost_share_of_phase": sum(run.walls[j] - static.walls[j] for j in affected)
-                                   / sum(run.walls[j] for j in in_phase)}
+            "affected_extra_s": extra_s, "phase_serving_s": phase_s, "cost_share_of_phase": extra_s / phase_s}

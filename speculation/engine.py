@@ -816,18 +816,19 @@ class BatchEngine:
         self._skips_since_draft = 0
         self._vetoes_since_draft = 0
 
-    def _after_verify(self, check: DraftingCheck, lives: list[_Live], split: Split, expected: float,
-                      accepted: int, forward_s: float, drafting_s: float) -> None:
+    def _after_verify(self, check: DraftingCheck, batch: int, split: Split, expected: float,
+                      accepted: int, forward_s: float, drafting_s: float, vanilla_s: float) -> None:
         """Book a drafted step's realised outcome: the gain correction (``expected`` accepted draft
         nodes on the raw estimates against ``accepted``), and the probe backoff. The step paid when
-        its realised tokens per second beat the vanilla split's predicted ones::
+        its realised tokens per second beat the vanilla split's predicted ones (``vanilla_s`` =
+        c(B, 1, L), the grid at the step's batch and context)::
 
             (B + accepted) / (forward_s + drafting_s)  >  B / (k c(B, 1, L))
         """
         if sum(split.drafts):
             self.gain_correction.observe(expected, float(accepted))
-        B = len(lives)
-        vanilla = self._split(lives, [0] * B, 0.0).forward_s
+        B = batch
+        vanilla = self.cost_correction.factor * vanilla_s
         paid = bool(sum(split.drafts)) and (B + accepted) / max(forward_s + drafting_s, 1e-9) > B / vanilla
         if paid:
             self._probe_every = 1
@@ -867,7 +868,7 @@ class BatchEngine:
             if check is DraftingCheck.VETO:  # a drafter that cannot sit out drafted anyway: verify none of it
                 room = [0] * len(trees)
             split = self._split(lives, room, sum(p[2] for p in proposed), corrected=not probe)
-            # the grid's c(B, 1, L): what the realised payoff normalises this step's rate by
+            # the grid's c(B, 1, L): the vanilla price a drafted step and the realised payoff are judged by
             vanilla_s = self.cost_model.cost(len(lives), 1, step_context(self.cost_model.layout,
                                                                          [lv.state.length for lv in lives]))
             drafted = not skip and any(p[1] is not None for p in proposed)
@@ -924,9 +925,10 @@ class BatchEngine:
                 del self._live[rid]
                 self._retired[rid] = lv.seq
             updates.append(SequenceUpdate(rid, prefill_tokens.get(rid, []) + kept, lv.seq.finished, rec))
-        accepted = sum(lv.seq.steps[-1].accepted for lv in lives)
+        accepted = sum(lv.seq.steps[-1].accepted for lv in lives) if split is not None else 0
         if drafted and split is not None:
-            self._after_verify(check, lives, split, expected, accepted, forward_s, sum(p[2] for p in proposed))
+            self._after_verify(check, len(lives), split, expected, accepted, forward_s, sum(p[2] for p in proposed),
+                               vanilla_s)
         step_s = time.perf_counter() - t_step
         host_s = step_s - forward_s - sum(p[2] for p in proposed)
         verified_drafts = any(len(t) > 1 for t in trees)

@@ -27,7 +27,7 @@ from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedu
 from speculation.bench.peers import Peer, parse_peers, peer_stats, reset_peer_stats, run_hf_batched, run_peer
 from speculation.config import BenchConfig, EngineConfig, to_dict
 from speculation.drafters import Drafter, DrafterType, MethodSpec, Reportable, build_drafter, resolve_methods
-from speculation.engine import GenerationResult, TargetBackend, generate_speculative, generate_vanilla
+from speculation.engine import DraftingCheck, GenerationResult, TargetBackend, generate_speculative, generate_vanilla
 from speculation.target import TargetModel
 
 BASELINE = "vanilla"
@@ -89,18 +89,20 @@ def environment() -> dict:
 
 
 def _goodput_verdicts(steps: list) -> dict[str, float] | None:
-    """Share of sequence steps per goodput verdict before drafting (``DraftingCheck``: draft,
-    probe, retest, skip, veto), from the step records' stats; None without the goodput rule."""
+    """Share of sequence steps per goodput verdict before drafting (:class:`DraftingCheck`'s
+    values), from the step records' stats; None without the goodput rule. A vetoed step also
+    carries ``goodput_drafting_skipped``, so the flags are read VETO first."""
     ruled = [s for s in steps if "goodput_drafting_skipped" in s.stats]
     if not ruled:
         return None
-    counts = dict.fromkeys(("draft", "probe", "retest", "skip", "veto"), 0)
+    counts = dict.fromkeys((c.value for c in DraftingCheck), 0)
     for s in ruled:
         st = s.stats
-        kind = ("veto" if st.get("goodput_drafting_vetoed") else "retest" if st.get("goodput_drafting_retest")
-                else "probe" if st.get("goodput_drafting_probe") else "skip" if st["goodput_drafting_skipped"]
-                else "draft")
-        counts[kind] += 1
+        kind = (DraftingCheck.VETO if st.get("goodput_drafting_vetoed")
+                else DraftingCheck.RETEST if st.get("goodput_drafting_retest")
+                else DraftingCheck.PROBE if st.get("goodput_drafting_probe")
+                else DraftingCheck.SKIP if st["goodput_drafting_skipped"] else DraftingCheck.DRAFT)
+        counts[kind.value] += 1
     return {k: v / len(ruled) for k, v in counts.items()}
 
 
