@@ -203,14 +203,26 @@ def render_concurrency(res: dict) -> list[str]:
              "| N | method | tok/s | speedup | request tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tau | "
              "tree tokens / seq step | lossless |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    saturated = any("saturated_tokens_per_s" in m for level in res["concurrency"].values()
+                    for m in level["methods"].values())
+    if saturated:
+        lines[-2] = lines[-2].replace("| request tok/s", "| saturated tok/s | saturated speedup | saturated share "
+                                      "| request tok/s")
+        lines[-1] = "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     for n, level in res["concurrency"].items():
         rows = list(level["methods"].items()) + [(f"peer: {k}", v) for k, v in level.get("peers", {}).items()]
         for name, m in rows:
+            sat = (f"{_f(m.get('saturated_tokens_per_s'), 1)} | {_f(m.get('saturated_speedup'), 2, '×')} | "
+                   f"{_f(m.get('saturated_share'), 2)} | " if saturated else "")
             lines.append(
-                f"| {n} | {name} | {_f(m['tokens_per_s'], 1)} | {_f(m['speedup'], 2, '×')} | "
+                f"| {n} | {name} | {_f(m['tokens_per_s'], 1)} | {_f(m['speedup'], 2, '×')} | {sat}"
                 f"{_f(m['request_tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} | "
                 f"{_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {_tau_cell(m)} | "
                 f"{_f(m.get('mean_tree_tokens_per_seq_step'), 1)} | {_f(m.get('lossless'))} |")
+    if saturated:
+        lines += ["", "Saturated: the window from the start until the first client finds the dataset exhausted "
+                      "(all N clients busy, the opening prefills included); share is its part of the run's wall "
+                      "time. tok/s counts the drain too, where fewer than N requests are left."]
     ruled = [(n, name, m["goodput_verdicts"]) for n, level in res["concurrency"].items()
              for name, m in level["methods"].items() if m.get("goodput_verdicts")]
     if ruled:

@@ -74,6 +74,12 @@ def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch, c
             assert m["lossless"] is True  # fp32 greedy: every request equals its solo vanilla output
             assert m["ttft_p50_s"] <= m["ttft_p99_s"]
         assert level["methods"]["vanilla"]["speedup"] == pytest.approx(1.0)
+        # the saturated window (every client busy) ends when the dataset runs dry, before the drain
+        for m in level["methods"].values():
+            assert 0.0 < m["saturated_wall_s"] <= m["wall_s"]
+            assert m["saturated_share"] == pytest.approx(m["saturated_wall_s"] / m["wall_s"])
+            assert m["saturated_tokens_per_s"] * m["saturated_wall_s"] <= m["tokens_per_s"] * m["wall_s"] + 1e-6
+        assert level["methods"]["vanilla"]["saturated_speedup"] == pytest.approx(1.0)
     # The concurrency phase shows its progress: every request of every N and method, counted once.
     n_requests = 2 * 2 * res["n_prompts"]
     err = capsys.readouterr().err
@@ -112,3 +118,13 @@ def test_cli_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert "error" in err and message in err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_saturated_window_arithmetic():
+    from speculation.bench.runner import _saturated
+
+    assert _saturated(120, 2.0, 8.0) == {"saturated_tokens_per_s": 60.0, "saturated_wall_s": 2.0,
+                                         "saturated_share": 0.25}
+    # fewer prompts than clients: N is never reached, so there is no saturated figure
+    assert _saturated(0, None, 8.0) == {"saturated_tokens_per_s": None, "saturated_wall_s": None,
+                                        "saturated_share": None}

@@ -273,7 +273,9 @@ def run_concurrency(
     method: ``tokens_per_s`` (all output tokens / wall seconds), ``request_tokens_per_s`` (mean of
     each request's tokens / its seconds from add to finish), TTFT and inter-token latency p50/p99
     and the longest gap (a step that emits k tokens counts k gaps of its duration / k), ``tau`` (mean tokens gained per
-    verify step), ``speedup`` (÷ batched vanilla at the same N) and ``lossless`` (greedy: every
+    verify step), ``speedup`` (÷ batched vanilla at the same N), ``saturated_tokens_per_s`` and
+    ``saturated_speedup`` (the same over the window while every client is busy: :func:`_saturated`)
+    and ``lossless`` (greedy: every
     request equals its solo vanilla output; else the match rate; None when sampling), plus the
     mean tree tokens granted per sequence step (the budget split). On CUDA, timestamps are taken
     after ``torch.cuda.synchronize``. ``progress(done, total, "N=<n> <method>")`` is called as each
@@ -338,6 +340,10 @@ def run_concurrency(
             t0 = time.perf_counter()
             while nxt < min(n, len(prompts)):
                 send(t0)
+            # the saturated window: from the start until the first client finds no next prompt
+            # (every client busy throughout; None when the dataset has fewer prompts than clients)
+            dry_s: float | None = None
+            window_tokens, ran_dry = 0, False
             while engine.has_work():
                 ups = engine.step()
                 sync()
@@ -351,6 +357,8 @@ def run_concurrency(
                             itl.extend([gap] * len(u.new_tokens))
                         last[u.request_id] = now
                         tokens[u.request_id].extend(u.new_tokens)
+                        if dry_s is None:
+                            window_tokens += len(u.new_tokens)
                     if u.step is not None:
                         steps.append(u.step)
                     if u.finished is not None:
@@ -360,6 +368,10 @@ def run_concurrency(
                             progress(done, n_requests, f"N={n} {spec.name}")
                         if nxt < len(prompts):
                             send(now)
+                        elif len(prompts) >= n:
+                            ran_dry = True
+                if ran_dry and dry_s is None:  # the whole step's tokens count: they share its timestamp
+                    dry_s = now - t0
             wall = time.perf_counter() - t0
             total = sum(len(v) for v in tokens.values())
             spec_steps = [s for s in steps if s.tree_size > 0]
@@ -376,6 +388,7 @@ def run_concurrency(
                                                   if spec_steps else None),
                 "steps": engine.steps_run,
                 "wall_s": wall,
+                **_saturated(window_tokens, dry_s, wall),
             }
             verdicts = _goodput_verdicts(spec_steps)
             if verdicts is not None:
@@ -386,8 +399,11 @@ def run_concurrency(
                 m["lossless"] = _match_refs([tokens[f"q{i}"] for i in range(len(prompts))], refs)
             methods[spec.name] = m
         base = methods[BASELINE]["tokens_per_s"]
+        base_saturated = methods[BASELINE]["saturated_tokens_per_s"]
         for m in methods.values():
             m["speedup"] = m["tokens_per_s"] / base
+            m["saturated_speedup"] = (m["saturated_tokens_per_s"] / base_saturated
+                                      if m["saturated_tokens_per_s"] is not None and base_saturated else None)
         level: dict[str, Any] = {"methods": methods, "fold_prefills": fold_prefills, "payoff_veto": payoff_veto,
                                  "prefill_chunk_tokens": prefill_chunk_tokens, "prefill_step_tokens": prefill_step_tokens}
         peer_rows: dict[str, dict] = {}
@@ -402,6 +418,20 @@ def run_concurrency(
             level["peers"] = peer_rows
         out[str(n)] = level
     return out
+
+
+def _saturated(window_tokens: int, dry_s: float | None, wall_s: float) -> dict[str, float | None]:
+    """The closed loop's saturated window: from the start (all N clients sending) until the first
+    client finds the dataset exhausted. Its throughput, ``saturated_tokens_per_s`` = tokens emitted
+    in the window / the window's seconds, is the engine at a steady N; ``tokens_per_s`` also counts
+    the drain, where fewer than N requests are left (a small dataset at a large N is mostly drain).
+    The window includes the opening prefills of all N prompts, so it does not flatter prefill.
+    ``saturated_share``: the window's share of the run's wall time. None when the dataset has fewer
+    prompts than clients (N is never reached)."""
+    if dry_s is None or dry_s <= 0.0:
+        return {"saturated_tokens_per_s": None, "saturated_wall_s": None, "saturated_share": None}
+    return {"saturated_tokens_per_s": window_tokens / dry_s, "saturated_wall_s": dry_s,
+            "saturated_share": dry_s / wall_s}
 
 
 def _match_refs(outputs: list[list[int]], refs: list[list[int]]) -> bool | float:
