@@ -70,17 +70,26 @@ def plot_bench(path: Path) -> list[Path]:
 
 
 def plot_concurrency(res: dict, title: str, out: Path) -> Path:
-    """Total output tokens/s against the number of concurrent clients, one line per method/peer."""
+    """Total output tokens/s against the number of concurrent clients, one line per method/peer;
+    dashed in the same colour where the run has it: the saturated window's tokens/s (every client
+    busy, before the drain)."""
     levels = sorted(res["concurrency"], key=int)
     series: dict[str, list[tuple[int, float]]] = {}
+    saturated: dict[str, list[tuple[int, float]]] = {}
     for n in levels:
         level = res["concurrency"][n]
         rows = list(level["methods"].items()) + [(f"peer: {k}", v) for k, v in level.get("peers", {}).items()]
         for name, m in rows:
             series.setdefault(name, []).append((int(n), m["tokens_per_s"]))
+            if m.get("saturated_tokens_per_s") is not None:
+                saturated.setdefault(name, []).append((int(n), m["saturated_tokens_per_s"]))
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for name, pts in series.items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+        if name in saturated:
+            sat = saturated[name]
+            ax.plot([p[0] for p in sat], [p[1] for p in sat], marker="x", ms=4, ls="--", color=line.get_color(),
+                    label=f"{name} (saturated window)")
     ax.set_xscale("log", base=2)
     ax.set_xticks([int(n) for n in levels], [str(n) for n in levels])
     ax.set_xlabel("concurrent clients N")

@@ -62,6 +62,8 @@ SECTIONS: dict[str, str] = {
     "concurrency_vllm_specbench_fp32": "Continuous batching against vLLM's: the same closed loop on both engines (fp32)",
     "concurrency_specbench_bf16": "Continuous batching: closed-loop concurrency (bf16)",
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
+    "concurrency_specbench39_bf16": "Continuous batching: closed-loop concurrency over 39 prompts, with the saturated window (bf16)",
+    "concurrency_specbench39_fp32": "Continuous batching: closed-loop concurrency over 39 prompts, with the saturated window (fp32)",
     "payoff_veto_bf16": "Goodput rule: the realised-payoff veto against the rule's predictions alone, side by side (retrieval, bf16)",
     "single_query_attention_bf16": "Single-query attention in bf16: the half-precision SDPA call against the same call widened to fp32, kernel and closed loop (vanilla, bf16)",
     "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
