@@ -64,6 +64,7 @@ SECTIONS: dict[str, str] = {
     "concurrency_specbench_fp32": "Continuous batching: closed-loop concurrency (fp32)",
     "concurrency_specbench39_bf16": "Continuous batching: closed-loop concurrency over 39 prompts, with the saturated window (bf16)",
     "concurrency_specbench39_fp32": "Continuous batching: closed-loop concurrency over 39 prompts, with the saturated window (fp32)",
+    "goodput_against_vanilla_bf16": "Goodput rule: retrieval against batched vanilla, back to back, 39 prompts (bf16)",
     "payoff_veto_bf16": "Goodput rule: the realised-payoff veto against the rule's predictions alone, side by side (retrieval, bf16)",
     "single_query_attention_bf16": "Single-query attention in bf16: the half-precision SDPA call against the same call widened to fp32, kernel and closed loop (vanilla, bf16)",
     "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
@@ -622,6 +623,18 @@ def render_fold_prefills(res: dict) -> list[str]:
             lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} "
                          f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} / {_ms(m.get('itl_max_s'))} | {_f(m['lossless'])} | {cell} |"
                          + shares)
+    saturated = [(n, level) for n, level in res["concurrency"].items() if "saturated_ratio_paired" in level]
+    if saturated:
+        lines += ["", "The saturated window (from the start until the first client finds the dataset exhausted: every "
+                      "client busy), per N: medians over repeats and the paired ratio.", "",
+                  f"| N | {' | '.join(f'{a} saturated tok/s' for a in names)} | {' / '.join(names)} (paired) |",
+                  "|---|" + "---|" * len(names) + "---|"]
+        for n, level in saturated:
+            ratios = level["saturated_ratio_paired"]
+            lines.append(f"| {n} | " + " | ".join(_f(level['arms'][a]['saturated_tokens_per_s'], 1) for a in names)
+                         + f" | {_f(level['saturated_ratio_median'], 2, '×')} median "
+                           f"({', '.join(_f(r, 2) for r in ratios)}); faster in {sum(r > 1.0 for r in ratios)} "
+                           f"of {len(ratios)} |")
     return lines
 
 

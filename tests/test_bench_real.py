@@ -128,3 +128,18 @@ def test_saturated_window_arithmetic():
     # fewer prompts than clients: N is never reached, so there is no saturated figure
     assert _saturated(0, None, 8.0) == {"saturated_tokens_per_s": None, "saturated_wall_s": None,
                                         "saturated_share": None}
+
+
+@pytest.mark.parametrize("argv", [["--method", "vanilla"], ["--method", "retrieval", "--veto", "--goodput"],
+                                  ["--method", "retrieval", "--chunk", "64"]])
+def test_fold_prefills_against_vanilla_refuses_what_it_cannot_pair(argv, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fold_prefills.py"
+    spec = importlib.util.spec_from_file_location("fold_prefills_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--against-vanilla", *argv])
+    assert exc.value.code == 2
+    assert "--against-vanilla compares --method with vanilla" in capsys.readouterr().err
