@@ -426,6 +426,11 @@ def _saturated(window_tokens: int, dry_s: float | None, wall_s: float) -> dict[s
     in the window / the window's seconds, is the engine at a steady N; ``tokens_per_s`` also counts
     the drain, where fewer than N requests are left (a small dataset at a large N is mostly drain).
     The window includes the opening prefills of all N prompts, so it does not flatter prefill.
+    Between two arms it is biased against the one whose requests end at staggered steps: at the
+    window's end such an arm has N requests in flight whose prefills the window paid and whose
+    tokens it counts only in part, while arms whose requests end in lockstep (batched vanilla,
+    equal lengths) close the window on a wave boundary. So read it for one arm's scaling with N;
+    compare arms on ``tokens_per_s``.
     ``saturated_share``: the window's share of the run's wall time. None when the dataset has fewer
     prompts than clients (N is never reached)."""
     if dry_s is None or dry_s <= 0.0:
