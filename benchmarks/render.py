@@ -198,20 +198,17 @@ def _tau_cell(m: dict) -> str:
 
 def render_concurrency(res: dict) -> list[str]:
     """Closed-loop concurrency: per N and method, throughput, latency percentiles, tau, budget split."""
+    saturated = any("saturated_tokens_per_s" in m for level in res["concurrency"].values()
+                    for m in level["methods"].values())
+    sat_head = "saturated tok/s | saturated speedup | saturated share | " if saturated else ""
     lines = ["", "Closed-loop clients over the batched engine (first turns; each client sends its next prompt "
              "when its request ends). Speedup is against batched vanilla at the same N; the HF peer is "
              "`generate` on left-padded static batches of N (not streamed, so no TTFT/ITL). vLLM peers run the "
              "same closed loop on vLLM's own engine loop (continuous batching, in `.venv-vllm`); their tau column "
              "is vLLM's mean acceptance length (AL), counted over drafted steps only.", "",
-             "| N | method | tok/s | speedup | request tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tau | "
+             f"| N | method | tok/s | speedup | {sat_head}request tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tau | "
              "tree tokens / seq step | lossless |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    saturated = any("saturated_tokens_per_s" in m for level in res["concurrency"].values()
-                    for m in level["methods"].values())
-    if saturated:
-        lines[-2] = lines[-2].replace("| request tok/s", "| saturated tok/s | saturated speedup | saturated share "
-                                      "| request tok/s")
-        lines[-1] = "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+             "|---" * (13 if saturated else 10) + "|"]
     for n, level in res["concurrency"].items():
         rows = list(level["methods"].items()) + [(f"peer: {k}", v) for k, v in level.get("peers", {}).items()]
         for name, m in rows:
