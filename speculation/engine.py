@@ -820,16 +820,22 @@ class BatchEngine:
                       accepted: int, forward_s: float, drafting_s: float, vanilla_s: float) -> None:
         """Book a drafted step's realised outcome: the gain correction (``expected`` accepted draft
         nodes on the raw estimates against ``accepted``), and the probe backoff. The step paid when
-        its realised tokens per second beat the vanilla split's predicted ones (``vanilla_s`` =
-        c(B, 1, L), the grid at the step's batch and context)::
+        it accepted a draft node and its realised tokens per second beat the vanilla split's
+        predicted ones (``vanilla_s`` = c(B, 1, L), the grid at the step's batch and context)::
 
-            (B + accepted) / (forward_s + drafting_s)  >  B / (k c(B, 1, L))
+            accepted > 0  and  (B + accepted) / (forward_s + drafting_s)  >  B / (k c(B, 1, L))
+
+        A drafted step that accepted nothing served the B tokens a plain step serves, at a plain
+        step's forward or more plus the drafting: it never paid, whatever the prediction says (a
+        correction clipped at its floor overprices the vanilla step, and timing noise alone then
+        read such probes as paid and reset the backoff).
         """
         if sum(split.drafts):
             self.gain_correction.observe(expected, float(accepted))
         B = batch
         vanilla = self.cost_correction.factor * vanilla_s
-        paid = bool(sum(split.drafts)) and (B + accepted) / max(forward_s + drafting_s, 1e-9) > B / vanilla
+        paid = (bool(sum(split.drafts)) and accepted > 0
+                and (B + accepted) / max(forward_s + drafting_s, 1e-9) > B / vanilla)
         if paid:
             self._probe_every = 1
         elif check is DraftingCheck.PROBE:
