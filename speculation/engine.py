@@ -156,7 +156,7 @@ class GenerationResult:
 
 def _choose(logits: torch.Tensor, sampling: SamplingConfig, procs, gen: torch.Generator | None) -> int:
     if sampling.greedy:
-        return int(logits.argmax())
+        return int(V.first_argmax(logits.reshape(-1)))
     return V.sample_token(logits.cpu(), procs, gen)  # the generator is a CPU one (seeded per request)
 
 

@@ -71,7 +71,7 @@ def greedy(tree: DraftTree, logits: torch.Tensor, argmax: list[int] | None = Non
     """Greedy acceptance. ``logits``: ``[T, V]`` target logits at each tree node; ``argmax``: their
     ``argmax`` per node when already taken (:func:`batch_argmax`), else taken here."""
     if argmax is None:
-        argmax = logits.argmax(dim=-1).tolist()  # [T]
+        argmax = first_argmax(logits).tolist()  # [T]
     cur = ROOT
     accepted = [ROOT]
     while True:
@@ -101,6 +101,18 @@ def _rows(logits: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((total, *first.shape[1:]), first.stride())  # within the storage: checked above
 
 
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``argmax`` over the last dimension (``[..., V]`` -> ``[...]``): the first maximal index, as
+    ``Tensor.argmax`` gives, taken as the indices of ``torch.max(logits, dim=-1)``.
+
+    Both are documented to return the first maximal index (equal on tie-heavy inputs, tested);
+    the reduction behind ``max`` is several times faster on this CPU for bf16 logits: over
+    SmolLM2's 49,152-token vocabulary, 16 rows took 0.32 ms against 1.46 ms for ``argmax``, 60
+    rows 1.2 against 5.5 ms (2 threads; fp32 0.19 against 0.58 ms). Every greedy pick of the
+    target goes through it, the solo loops' and the batched step's alike."""
+    return torch.max(logits, dim=-1).indices
+
+
 def batch_argmax(logits: list[torch.Tensor]) -> list[list[int]]:
     """``argmax`` of every node of every tree in one call (``logits[b]``: ``[T_b, V]``).
 
@@ -109,7 +121,7 @@ def batch_argmax(logits: list[torch.Tensor]) -> list[list[int]]:
     the same as taken alone (first maximal index)."""
     if not logits:
         return []
-    flat = _rows(logits).argmax(dim=-1).tolist()  # [sum T_b]
+    flat = first_argmax(_rows(logits)).tolist()  # [sum T_b]
     out, lo = [], 0
     for rows in logits:
         out.append(flat[lo: lo + rows.shape[0]])

@@ -39,6 +39,19 @@ def test_batched_picks_equal_per_tree_calls(sizes, seed, copies, ties):
     assert torch.equal(V._rows(blocks), torch.cat(blocks))
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), vocab=st.sampled_from([2, 97, 4096, 49_152]), seed=st.integers(0, 10_000),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), levels=st.sampled_from([2, 7, 0]))
+def test_first_argmax_is_argmax_first_maximal_index(rows, vocab, seed, dtype, levels):
+    """The greedy pick (``torch.max(...).indices``, faster in bf16) is ``argmax``: the FIRST maximal
+    index, on inputs where ties are the rule (``levels`` distinct values) or rare (0: Gaussian)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randint(0, levels, (rows, vocab), generator=gen).float() if levels
+         else torch.randn(rows, vocab, generator=gen)).to(dtype)
+    assert torch.equal(V.first_argmax(x), x.argmax(dim=-1))
+    assert int(V.first_argmax(x[0])) == int(x[0].argmax())
+
+
 def test_rows_is_a_view_only_for_consecutive_blocks_of_one_tensor():
     flat = torch.randn(10, 33)
     consecutive = [flat[0:2], flat[2:3], flat[3:7]]
