@@ -65,6 +65,8 @@ SECTIONS: dict[str, str] = {
     "concurrency_specbench39_bf16": "Continuous batching: closed-loop concurrency over 39 prompts, with the saturated window (bf16)",
     "concurrency_specbench39_fp32": "Continuous batching: closed-loop concurrency over 39 prompts, with the saturated window (fp32)",
     "goodput_against_vanilla_bf16": "Goodput rule: retrieval against batched vanilla, back to back, 39 prompts (bf16)",
+    "concurrency_specbench39_bf16_amx": "Continuous batching: closed-loop concurrency over 39 prompts on the Xeon host with AMX-BF16 (bf16)",
+    "goodput_against_vanilla_bf16_amx": "Goodput rule: retrieval against batched vanilla, back to back, 39 prompts, on the Xeon host with AMX-BF16 (bf16)",
     "payoff_veto_bf16": "Goodput rule: the realised-payoff veto against the rule's predictions alone, side by side (retrieval, bf16)",
     "single_query_attention_bf16": "Single-query attention in bf16: the half-precision SDPA call against the same call widened to fp32, kernel and closed loop (vanilla, bf16)",
     "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
