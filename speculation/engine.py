@@ -834,8 +834,7 @@ class BatchEngine:
             self.gain_correction.observe(expected, float(accepted))
         B = batch
         vanilla = self.cost_correction.factor * vanilla_s
-        paid = (bool(sum(split.drafts)) and accepted > 0
-                and (B + accepted) / max(forward_s + drafting_s, 1e-9) > B / vanilla)
+        paid = accepted > 0 and (B + accepted) / max(forward_s + drafting_s, 1e-9) > B / vanilla
         if paid:
             self._probe_every = 1
         elif check is DraftingCheck.PROBE:
