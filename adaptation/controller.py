@@ -42,6 +42,7 @@ from adaptation.gain import (
     ReplayConfig,
     TrafficRate,
     UnitReplay,
+    break_even_horizon_s,
     estimate_gain,
     gain_seconds,
     replay_units,
@@ -152,6 +153,9 @@ class Decision:
     KEPT / ROLLED_BACK events (and on GATED rounds, the reward). ``tau_pre``/``tau_post`` are the
     live taus of the windows before and after a swap; ``tau_replay_prev``/``tau_replay_new`` the
     paired guard's replay of the previous and the new weights on the after-window (nan in live mode).
+    ``break_even_horizon_s``: on a round whose candidate was replayed, the horizon at which the gate
+    would have fired on the same replay (:func:`adaptation.gain.break_even_horizon_s`; inf when
+    ``G_lo <= 0``, nan when nothing was replayed).
     """
 
     round: int
@@ -167,6 +171,7 @@ class Decision:
     tau_post: float = math.nan
     tau_replay_prev: float = math.nan
     tau_replay_new: float = math.nan
+    break_even_horizon_s: float = math.nan
     realised_gain_s: float = math.nan
     reward_s: float = math.nan
     injected: bool = False
@@ -187,6 +192,7 @@ class Decision:
                "train_s": self.train_s, "sync_s": self.sync_s, "loss": self.loss,
                "tau_pre": self.tau_pre, "tau_post": self.tau_post,
                "tau_replay_prev": self.tau_replay_prev, "tau_replay_new": self.tau_replay_new,
+               "break_even_horizon_s": self.break_even_horizon_s,
                "realised_gain_s": self.realised_gain_s, "reward_s": self.reward_s}
         if self.injected:
             out["injected"] = 1.0
@@ -328,7 +334,8 @@ class AdaptationController:
                 reward = cost.sync_s - cost.tried_s  # trained and replayed, never synced
                 self.bandit.record(arm, reward, {arm: reward}, harmful=est.gain_hi_s < 0, positions=positions)
                 return self._log(Decision(self._rounds, cfg.policy, arm, Outcome.GATED, cost, est, train_s,
-                                          loss=result.mean_loss, reward_s=reward))
+                                          loss=result.mean_loss, reward_s=reward,
+                                          break_even_horizon_s=self._break_even(est, cost)))
             return self.apply(result.state, arm, cost, est, train_s, result.mean_loss, positions)
 
     def apply(self, state: StateDict, arm: int, cost: CostEstimate, est: GainEstimate | None = None,
@@ -346,7 +353,14 @@ class AdaptationController:
             self.guard.arm(previous, tau_pre)
             self._pending = _PendingSwap(arm, cost, est, positions, injected)
             return self._log(Decision(self._rounds, self.config.policy, arm, Outcome.APPLIED, cost, est, train_s,
-                                      sync_s, loss, tau_pre=tau_pre, injected=injected))
+                                      sync_s, loss, tau_pre=tau_pre, injected=injected,
+                                      break_even_horizon_s=self._break_even(est, cost)))
+
+    def _break_even(self, est: GainEstimate | None, cost: CostEstimate) -> float:
+        """The horizon at which ``est`` would pass the gate against ``cost`` (nan without a replay)."""
+        if est is None:
+            return math.nan
+        return break_even_horizon_s(est.gain_lo_s, cost.total_s, self.config.horizon_s)
 
     def _probe_step_cost(self, train: list[FeedbackSequence]) -> None:
         """Time :data:`PROBE_STEPS` optimizer steps (result discarded) so the exploration budget

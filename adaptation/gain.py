@@ -17,6 +17,13 @@ cut (no features there). No target forward runs and no live traffic is touched.
 
 ``G`` is the point estimate on all units and ``[G_lo, G_hi]`` the (alpha, 1 - alpha) quantiles of
 ``G_b``: ``G_lo`` is the lower confidence bound the gate compares with the cost.
+
+**Break-even horizon.** Every ``G_b`` is linear in ``N``, so ``G_lo`` is too: at the measured
+traffic rate, the gate (``G_lo > C``) would fire on the same replay for horizons longer than
+
+    H* = H * C / G_lo          (H = the configured horizon; infinite when G_lo <= 0)
+
+which is how long the updated drafter would have to serve before its lower-bound gain repays C.
 """
 
 from __future__ import annotations
@@ -145,6 +152,14 @@ class GainEstimate:
 def gain_seconds(horizon_tokens: float, step_s: float, tau_old: float, tau_new: float) -> float:
     """G = N * t_step * (1/tau_old - 1/tau_new)."""
     return horizon_tokens * step_s * (1.0 / tau_old - 1.0 / tau_new)
+
+
+def break_even_horizon_s(gain_lo_s: float, cost_s: float, horizon_s: float) -> float:
+    """H* = H * C / G_lo (module docstring): the shortest horizon at which ``G_lo`` reaches the
+    cost ``C``; ``inf`` when ``G_lo <= 0`` (no horizon makes a harmful or neutral update pay)."""
+    if not gain_lo_s > 0 or not math.isfinite(gain_lo_s):
+        return math.inf
+    return horizon_s * max(cost_s, 0.0) / gain_lo_s
 
 
 def estimate_gain(

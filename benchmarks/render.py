@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from adaptation.gain import break_even_horizon_s
 from graftblock.adapt import HARMFUL_POLICY
 
 VERDICTS = ("draft", "probe", "retest", "skip", "veto")
@@ -340,6 +341,16 @@ def render_sweep_heldout(res: dict) -> list[str]:
     return lines
 
 
+def _fires_at(gain: dict, cost_s: float | None, horizon_s: float | None) -> str:
+    """The break-even horizon H* = H * C / G_lo of a replayed round (``adaptation.gain``), from the
+    recorded G_lo, C and H, so results written before the field existed get it too."""
+    lo = gain.get("gain_lo_s")
+    if lo is None or cost_s is None or horizon_s is None:
+        return "–"
+    h = break_even_horizon_s(lo, cost_s, horizon_s)
+    return "never (G_lo ≤ 0)" if h == float("inf") else _f(h, 0)
+
+
 def _cost_total_s(cost: dict) -> float:
     """C(a) of a serialised ``CostEstimate`` (its ``total_s`` property is not in the JSON)."""
     return cost["train_s"] * cost["contention"] + cost["sync_s"]
@@ -392,20 +403,22 @@ def render_adapt(res: dict) -> list[str]:
             continue
         lines += ["", f"`{name}`: rounds that trained ({len(rounds)} of {len(p.get('decisions', []))} rounds; "
                   "G = expected gain over the horizon with its confidence interval, C = priced cost):", "",
-                  "| round | arm (steps) | outcome | tau old | tau new [CI] | G s [CI] | C s | realised s |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| round | arm (steps) | outcome | tau old | tau new [CI] | G s [CI] | C s | fires at horizon s "
+                  "| realised s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for d in rounds:
             g = d.get("gain") or {}
             total = _cost_total_s(d["cost"]) if d.get("cost") else None
             if not g and d.get("outcome") in ("audited", "reverted"):  # start vs live weights, replayed
                 total = (d.get("cost") or {}).get("replay_s")
                 lines.append(f"| {d['round']} | audit | {d['outcome']} | {_f(d.get('tau_replay_prev'), 3)} (start) | "
-                             f"{_f(d.get('tau_replay_new'), 3)} (live) | – | {_f(total, 2)} (replay) | – |")
+                             f"{_f(d.get('tau_replay_new'), 3)} (live) | – | {_f(total, 2)} (replay) | – | – |")
                 continue
             lines.append(f"| {d['round']} | {d['arm']} | {d['outcome']} | {_f(g.get('tau_old'), 3)} | "
                          f"{_f(g.get('tau_new'), 3)} [{_f(g.get('tau_new_lo'), 3)}, {_f(g.get('tau_new_hi'), 3)}] | "
                          f"{_f(g.get('gain_s'), 2)} [{_f(g.get('gain_lo_s'), 2)}, {_f(g.get('gain_hi_s'), 2)}] | "
-                         f"{_f(total, 2)} | {_f(d.get('realised_gain_s'), 2)} |")
+                         f"{_f(total, 2)} | {_fires_at(g, total, c.get('horizon_s'))} | "
+                         f"{_f(d.get('realised_gain_s'), 2)} |")
     if "harmful" in res:
         lines += ["", *_harmful_lines(res["harmful"])]
     return lines

@@ -20,7 +20,15 @@ from adaptation.bandit import BanditConfig, CostAwareBandit, gate
 from adaptation.controller import AdaptationController, ControllerConfig, Outcome, Policy
 from adaptation.cost_model import CostConfig
 from adaptation.feedback import BufferConfig, FeedbackRecord, FeedbackSink, ReplayBuffer, SinkConfig
-from adaptation.gain import ReplayConfig, replay_units, replica, tau_of
+from adaptation.gain import (
+    ReplayConfig,
+    UnitReplay,
+    break_even_horizon_s,
+    estimate_gain,
+    replay_units,
+    replica,
+    tau_of,
+)
 from adaptation.online import OnlineConfig, OnlineUpdater
 from adaptation.rollback import HEAD_KEY, GuardConfig, GuardMode, shuffled_head
 from speculation.config import ConfigError, EngineConfig, Eagle3Config, SamplingConfig, SpecBlockConfig
@@ -202,6 +210,9 @@ def test_gate_applies_when_gain_beats_cost_and_skips_otherwise():
         assert d.gain is not None and d.gain.tau_new > d.gain.tau_old
         assert d.cost.total_s == pytest.approx(16 * ctl.cost.step_s * 1.0 + 0.5)  # kappa = 1 (blocking twin)
         assert (d.gain.gain_lo_s > d.cost.total_s) == (expect is Outcome.APPLIED)
+        # the gate fires exactly for horizons past the break-even one
+        assert (d.break_even_horizon_s < ctl.config.horizon_s) == (expect is Outcome.APPLIED)
+        assert d.metrics()["break_even_horizon_s"] == pytest.approx(d.break_even_horizon_s)
         # the held-out replay was timed: not in the gate's C (sunk when it decides), in the arm's price
         assert d.cost.replay_s > 0 and d.cost.tried_s == pytest.approx(d.cost.total_s + d.cost.replay_s)
     assert len(published) == 1  # only the applied round swapped weights
@@ -209,6 +220,28 @@ def test_gate_applies_when_gain_beats_cost_and_skips_otherwise():
     assert ctl.bandit.stats[16].mean == pytest.approx(-(d.cost.train_s + d.cost.replay_s))  # kappa = 1
     assert ctl.bandit.stats[0].mean == 0 and ctl.summary()["cost_s"] == pytest.approx(d.spent_s)
     assert d.spent_s == pytest.approx(d.cost.train_s + d.cost.replay_s)  # never synced
+
+
+def test_break_even_horizon_is_where_the_lower_bound_gain_meets_the_cost():
+    """G_lo is linear in the horizon's tokens, so replaying at H* = H * C / G_lo gives G_lo == C;
+    a candidate whose G_lo <= 0 never pays, whatever the horizon."""
+    cfg = ReplayConfig(bootstrap=200)
+    rng = random.Random(0)
+    old = [UnitReplay(gained=rng.randint(30, 40), steps=25) for _ in range(12)]
+    better = [UnitReplay(gained=u.gained + rng.randint(3, 9), steps=u.steps) for u in old]
+    rate, horizon, step_s, cost = 20.0, 60.0, 0.05, 9.0  # tokens/s, s, s per verify step, s
+    est = estimate_gain(old, better, rate * horizon, step_s, cfg)
+    assert 0 < est.gain_lo_s < est.gain_s
+    h = break_even_horizon_s(est.gain_lo_s, cost, horizon)
+    assert h == pytest.approx(horizon * cost / est.gain_lo_s)
+    at_h = estimate_gain(old, better, rate * h, step_s, cfg)
+    assert at_h.gain_lo_s == pytest.approx(cost)
+    assert gate(estimate_gain(old, better, rate * h * 1.01, step_s, cfg).gain_lo_s, cost)
+    assert not gate(estimate_gain(old, better, rate * h * 0.99, step_s, cfg).gain_lo_s, cost)
+    worse = estimate_gain(better, old, rate * horizon, step_s, cfg)
+    assert break_even_horizon_s(worse.gain_lo_s, cost, horizon) == math.inf
+    assert break_even_horizon_s(0.0, cost, horizon) == math.inf
+    assert break_even_horizon_s(float("-inf"), cost, horizon) == math.inf
 
 
 def test_the_live_weights_held_out_replay_is_reused_until_the_weights_change():
