@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from adaptation.gain import break_even_horizon_s
-from graftblock.adapt import HARMFUL_POLICY
+from graftblock.adapt import HARMFUL_POLICY, RECOVERY_WINDOW, RECOVERY_WITHIN, recovery_requests
 
 VERDICTS = ("draft", "probe", "retest", "skip", "veto")
 """The goodput rule's verdicts before drafting (``DraftingCheck`` values), in the order the tables show them."""
@@ -69,6 +69,7 @@ SECTIONS: dict[str, str] = {
     "concurrency_specbench39_bf16_amx": "Continuous batching: closed-loop concurrency over 39 prompts on the Xeon host with AMX-BF16 (bf16)",
     "goodput_against_vanilla_bf16_amx": "Goodput rule: retrieval against batched vanilla, back to back, 39 prompts, on the Xeon host with AMX-BF16 (bf16)",
     "payoff_veto_bf16": "Goodput rule: the realised-payoff veto against the rule's predictions alone, side by side (retrieval, bf16)",
+    "batch_invariant_bf16_amx": "Batch-invariant mode: products in row groups within the kernels' invariant limit, against the default, kernel and closed loop, on the Xeon host with AMX-BF16 (vanilla, bf16)",
     "single_query_attention_bf16": "Single-query attention in bf16: the half-precision SDPA call against the same call widened to fp32, kernel and closed loop (vanilla, bf16)",
     "fold_prefills_fp32": "Continuous batching: arriving prompts prefilled inside the step's forward against a forward of their own (fp32)",
     "chunked_prefill_fp32": "Continuous batching: chunked prefill (128-token chunks) against whole-prompt prefill (retrieval, goodput rule, fp32)",
@@ -390,6 +391,13 @@ def render_adapt(res: dict) -> list[str]:
     for name, p in pol.items():
         lines.append(f"| {name} | " + " | ".join(f"{_f(p['per_phase'][ph]['tokens_per_s'], 2)} "
                                                  f"({_f(p['per_phase'][ph]['tau'], 2)})" for ph in phases) + " |")
+    if len(phases) > 1:
+        lines += ["", f"Recovery after each shift: requests into the phase until tau (trailing mean of "
+                  f"{RECOVERY_WINDOW}) is within {RECOVERY_WITHIN:.0%} of its phase-end value (1 = no dip; – = never):",
+                  "", "| policy | " + " | ".join(phases[1:]) + " |", "|---|" + "---|" * (len(phases) - 1)]
+        for name, p in pol.items():
+            rec = p.get("recovery_requests") or recovery_requests(p["tau_series"], p["phase_series"])
+            lines.append(f"| {name} | " + " | ".join(_f(rec.get(ph), 0) for ph in phases[1:]) + " |")
     for name, p in pol.items():
         rounds = [d for d in p.get("decisions", []) if d.get("outcome") != "skipped"]
         if not rounds or (name == HARMFUL_POLICY and "harmful" in res):  # its swap: the block below
@@ -670,6 +678,35 @@ def render_single_query_attention(res: dict) -> list[str]:
     return lines
 
 
+def render_batch_invariant(res: dict) -> list[str]:
+    """Batch-invariant mode against the default: the products per row count, then the closed-loop A/B."""
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}`: each distinct "
+             "product of the target, its probed invariant limit (rows; – = the kernel never switched) and "
+             "the median µs of one product of M rows, default / invariant; then the closed loop on "
+             f"{res['prompts']} Spec-Bench first turns, {res['max_new_tokens']} new tokens each, arriving "
+             f"prompts folded into the step; medians of {res['repeats']} repeats, arms alternating run by "
+             "run, `lossless` against each arm's own solo vanilla outputs. Solo outputs that differ between "
+             f"the modes: {res['solo_outputs_differing_between_modes']} of {res['prompts']}.", ""]
+    ms = list(next(iter(res["kernel"]))["us"]["default"]) if res["kernel"] else []
+    lines += ["| product [N, K] | limit | " + " | ".join(f"M = {m} µs" for m in ms) + " |",
+              "|---|---|" + "---|" * len(ms)]
+    for k in res["kernel"]:
+        us = k["us"]
+        lines.append(f"| {k['shape']} | {_f(k['limit'], 0)} | " + " | ".join(
+            f"{us['default'][m]:.0f} / {us['invariant'][m]:.0f}" for m in ms) + " |")
+    lines += ["", "| N | arm | tok/s | TTFT p50 ms | ITL p50 / p99 ms | lossless (per repeat) | invariant / default tok/s (paired) |",
+              "|---|---|---|---|---|---|---|"]
+    for n, level in res["concurrency"].items():
+        for i, (arm, m) in enumerate(level["arms"].items()):
+            ratios = level["ratio_tokens_per_s_paired"]
+            cell = (f"{_f(level['ratio_median'], 2, '×')} median ({', '.join(_f(r, 2) for r in ratios)})"
+                    if i == 0 else "")
+            lossless = ", ".join(_f(x) for x in m["lossless"])
+            lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} "
+                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {lossless} | {cell} |")
+    return lines
+
+
 def render_curve(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**; median seconds of one verify + KV commit over a 256-token context.", ""]
     curves = res["curves"]
@@ -728,6 +765,8 @@ def main() -> int:
             out += render_fold_prefills(res)
         elif kind == "single_query_attention":
             out += render_single_query_attention(res)
+        elif kind == "batch_invariant":
+            out += render_batch_invariant(res)
         elif "methods" in res:
             out += render_bench(res)
             if any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values()):

@@ -62,6 +62,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import math
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -611,6 +612,36 @@ def _command(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
+RECOVERY_WITHIN = 0.10
+"""#13's recovery criterion: tau back within this share of its phase-end value."""
+RECOVERY_WINDOW = 3
+"""Requests in the trailing mean that is compared with the phase-end tau (one request's tau swings
+with its text; static's own series moves by 15% from request to request)."""
+RECOVERY_END_SHARE = 0.25
+"""The phase-end tau: the mean over this share of the phase's last requests (at least
+``RECOVERY_WINDOW`` of them)."""
+
+
+def recovery_requests(taus: list[float], phases: list[str]) -> dict[str, int | None]:
+    """Per phase after the first: how many requests into the phase tau recovered, i.e. the first
+    request r (1-based) whose trailing mean over the last ``min(RECOVERY_WINDOW, r)`` requests of
+    the phase reaches ``(1 - RECOVERY_WITHIN)`` times the phase-end tau (the mean of its last
+    ``max(RECOVERY_WINDOW, ceil(RECOVERY_END_SHARE * n))`` requests). 1 means no dip; None when no request of the phase
+    (or an empty phase) reaches it."""
+    order = list(dict.fromkeys(phases))
+    out: dict[str, int | None] = {}
+    for ph in order[1:]:
+        series = [t for t, p in zip(taus, phases) if p == ph]
+        if not series:
+            out[ph] = None
+            continue
+        tail = series[-max(RECOVERY_WINDOW, math.ceil(RECOVERY_END_SHARE * len(series))):]
+        bar = (1 - RECOVERY_WITHIN) * sum(tail) / len(tail)
+        out[ph] = next((r for r in range(1, len(series) + 1)
+                        if sum(series[max(0, r - RECOVERY_WINDOW):r]) / min(RECOVERY_WINDOW, r) >= bar), None)
+    return out
+
+
 def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamSpec,
                budgets: tuple[int, ...]) -> dict[str, Any]:
     ref = runs[0].tokens
@@ -630,7 +661,8 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
         common = {"tokens_per_s": n_tok / sum(run.walls), "tau": sum(run.taus) / len(run.taus),
                   "lossless": run.tokens == ref, "per_phase": per_phase, "tau_series": run.taus,
                   "tokens_per_s_series": speeds, "wall_series": run.walls, "phase_series": run.phases,
-                  "serving_s": sum(run.walls), "foreign_s": run.clock.foreign_s}
+                  "serving_s": sum(run.walls), "foreign_s": run.clock.foreign_s,
+                  "recovery_requests": recovery_requests(run.taus, run.phases)}
         if run.adapter is not None:
             s = run.adapter.summary()
             policies[run.name] = {

@@ -774,3 +774,20 @@ def test_adapt_bench_harmful_options_are_validated(argv, message):
                                                   *argv])
     with pytest.raises(ConfigError, match=message):
         _parse_args(args)
+
+
+def test_recovery_counts_requests_until_tau_is_back_within_ten_percent_of_the_phase_end():
+    from graftblock.adapt import recovery_requests
+
+    phases = ["chat"] * 3 + ["code"] * 8 + ["math"] * 4
+    taus = [1.6, 1.6, 1.6,
+            1.0, 1.0, 1.2, 1.5, 1.6, 1.6, 1.6, 1.6,  # code: a dip, then the learner catches up
+            1.7, 1.7, 1.6, 1.7]  # math: no dip
+    rec = recovery_requests(taus, phases)
+    assert set(rec) == {"code", "math"}  # the first phase has no shift before it
+    # code's end: mean of its last max(3, 2) = 3 requests, 1.6; the bar 1.44; trailing means of 3:
+    # r = 4 -> (1.0 + 1.2 + 1.5) / 3 = 1.23, r = 5 -> 1.43, r = 6 -> 1.57
+    assert rec["code"] == 6 and rec["math"] == 1
+    # a longer phase's end is the mean of its last quarter: a late rise moves the bar
+    late = [1.0] * 12 + [2.0] * 4
+    assert recovery_requests([1.0, *late], ["a"] + ["b"] * 16)["b"] == 15  # bar 1.8: (1 + 2 + 2) / 3 is not
