@@ -29,7 +29,8 @@ import argparse
 import dataclasses
 import statistics
 import sys
-from pathlib import Path
+
+from speculation.bench import ab
 
 FOLD_ARMS = {"folded": {"fold_prefills": True}, "unfolded": {"fold_prefills": False}}
 FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s")
@@ -37,15 +38,7 @@ FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--method", default="vanilla", help="a bench method (vanilla, retrieval, ...)")
-    ap.add_argument("--concurrency", default="4,8,16")
-    ap.add_argument("--questions", type=int, default=1, help="Spec-Bench questions per category")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--goodput", action="store_true")
+    ab.add_args(ap, dtypes=("float32", "bfloat16"), concurrency="4,8,16", questions=1, repeats=3)
     ap.add_argument("--chunk", type=int, default=None,
                     help="compare prefill_chunk_tokens=CHUNK against whole-prompt prefill instead")
     ap.add_argument("--step-budget", type=int, default=None,
@@ -54,19 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare the goodput rule with its realised-payoff veto against without (needs --goodput)")
     ap.add_argument("--against-vanilla", action="store_true",
                     help="compare --method against batched vanilla itself (no --chunk, --veto)")
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    from graftblock.cli import _parse_concurrency
-    from speculation.config import ConfigError
-
-    try:
-        levels = _parse_concurrency(args.concurrency)  # the bench CLI's own parsing and range
-    except ConfigError as e:
-        ap.error(str(e))
-    if not levels:
-        ap.error("--concurrency needs at least one level")
-    if args.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    levels = ab.levels(ap, args)
     if args.chunk is not None and args.chunk < 1:
         ap.error(f"--chunk must be >= 1, got {args.chunk}")
     if args.step_budget is not None and (args.chunk is None or args.step_budget < args.chunk):

@@ -48,6 +48,7 @@ SECTIONS: dict[str, str] = {
     "adapt_domain_shift_eagle3_fp32_recency": "Online adaptation: 20% exploration budget, recency-weighted training (half-life 8 requests), step-cost probe; the first update kept by the paired guard (fp32)",
     "adapt_domain_shift_eagle3_fp32_audit": "Online adaptation: the recency run's settings with audits of kept updates, on a slower host: nothing applied, so nothing audited (fp32)",
     "adapt_harmful_eagle3_fp32": "Online adaptation: a deliberately harmful update (the draft head's rows shuffled) against static, and the swap guard's rollback, EAGLE-3 (fp32)",
+    "adapt_domain_shift_specblock_fp32": "Online adaptation: policies on the domain-shift stream, SpecBlock, 10 requests per phase (fp32)",
     "adapt_harmful_specblock_fp32": "Online adaptation: a deliberately harmful update against static, and the swap guard's rollback, SpecBlock (fp32)",
     "online_knobs_eagle3_code_fp32": "Online updates: learning rate, share of accepted positions, optimizer steps, on HumanEval feedback (EAGLE-3, fp32)",
     "online_knobs_eagle3_chat_fp32": "Online updates: how much feedback a candidate needs, on chat feedback (EAGLE-3, fp32)",
@@ -698,9 +699,7 @@ def render_batch_invariant(res: dict) -> list[str]:
               "|---|---|---|---|---|---|---|"]
     for n, level in res["concurrency"].items():
         for i, (arm, m) in enumerate(level["arms"].items()):
-            ratios = level["ratio_tokens_per_s_paired"]
-            cell = (f"{_f(level['ratio_median'], 2, '×')} median ({', '.join(_f(r, 2) for r in ratios)})"
-                    if i == 0 else "")
+            cell = _paired_cell(level) if i == 0 else ""
             lossless = ", ".join(_f(x) for x in m["lossless"])
             lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} "
                          f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {lossless} | {cell} |")

@@ -26,7 +26,15 @@ from pathlib import Path
 
 import yaml
 
-from speculation.config import BenchConfig, ConfigError, DType, EngineConfig, SamplingConfig, load_yaml_mapping
+from speculation.config import (
+    BenchConfig,
+    ConfigError,
+    DType,
+    EngineConfig,
+    SamplingConfig,
+    load_yaml_mapping,
+    parse_concurrency,
+)
 
 
 def _load_yaml(path: str | None) -> dict:
@@ -37,6 +45,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="packaged alias, HF id or local dir")
     p.add_argument("--dtype", default=None, help="bfloat16 | float32 (default bfloat16; --verify-curve: both)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run every target product in row groups within its kernel's probed invariant limit, "
+                        "so batched output equals solo bit for bit also where the CPU's kernels switch with "
+                        "the row count (bf16 on AMX hosts); costs the large kernels' speed (in-process target only)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -52,26 +64,20 @@ def _add_tracking_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experiment", default="graftblock-bench", help="MLflow experiment name")
 
 
-def _load_target(model: str, dtype: str, device: str = "cpu"):
+def _load_target(model: str, dtype: str, device: str = "cpu", batch_invariant: bool = False):
     from speculation import assets
     from speculation.target import TargetModel
 
     dt = DType.parse(dtype)
     model_obj, tokenizer = assets.load_model_and_tokenizer(model, dt.torch)
-    return TargetModel(model_obj.to(device), tokenizer)
+    return TargetModel(model_obj.to(device), tokenizer, batch_invariant=batch_invariant)
 
 
-def _parse_concurrency(text: str | None) -> list[int]:
-    """``--concurrency 1,4,8`` -> [1, 4, 8] (each in [1, 1024])."""
-    if not text:
-        return []
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--concurrency must be comma-separated integers, got {text!r}") from None
-    if not levels or any(not 1 <= n <= 1024 for n in levels):
-        raise ConfigError(f"--concurrency values must be in [1, 1024], got {text!r}")
-    return levels
+def _check_batch_invariant(args: argparse.Namespace) -> None:
+    """``--batch-invariant`` sets the in-process target's products; shard actors build their own."""
+    if getattr(args, "batch_invariant", False) and getattr(args, "ray", False):
+        raise ConfigError("--batch-invariant applies to the in-process target only; it cannot be combined "
+                          "with --ray (the shard actors build their own forward)")
 
 
 def _check_device(device: str) -> str:
@@ -131,7 +137,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         max_turns=args.max_turns,
         threads=args.threads,
+        batch_invariant=args.batch_invariant,
     )
+    _check_batch_invariant(args)
     # Validate everything cheap before loading weights: methods, peers, dataset.
     from speculation.bench.peers import parse_peers
     from speculation.drafters import resolve_methods
@@ -144,7 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from graftblock import ray_commands as ray_cli
 
     ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
-    levels = _parse_concurrency(args.concurrency)
+    levels = parse_concurrency(args.concurrency)
     if levels and args.ray:
         _check_ray_concurrency_methods(list(cfg.methods), method_configs)
     if args.prefill_chunk_tokens is not None or args.prefill_step_tokens is not None:  # checked before the weights load
@@ -154,7 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     prefill_step_tokens=args.prefill_step_tokens)
     device = _check_device(args.device)
     store = _open_store(args)  # a bad tracking store fails now, not after the run
-    target = _load_target(cfg.model, cfg.dtype.value, device)
+    target = _load_target(cfg.model, cfg.dtype.value, device, cfg.batch_invariant)
 
     from speculation.bench.runner import run_bench
     from tqdm import tqdm
@@ -191,6 +199,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.ray:
         result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
     result["device"] = device
+    if target.batch_invariant_rows is not None:
+        result["batch_invariant_rows"] = target.batch_invariant_rows
     result["command"] = "graftblock " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bar.close()
     report.render(result, console)
@@ -216,7 +226,7 @@ def _verify_curve(args: argparse.Namespace, console) -> int:
     store = _open_store(args)
     curves = {}
     for dt in dtypes:
-        target = _load_target(args.model, dt)
+        target = _load_target(args.model, dt, batch_invariant=args.batch_invariant)
         decode = verify_curve.measure(target, sizes=(1,), repeats=9)[1]
         curve = verify_curve.measure(target)
         curves[DType.parse(dt).value] = {"seconds": {str(k): v for k, v in curve.items()}, "decode_s": decode}
@@ -271,7 +281,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from graftblock import ray_commands as ray_cli
 
     ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
-    target = _load_target(args.model, args.dtype or "bfloat16")
+    _check_batch_invariant(args)
+    target = _load_target(args.model, args.dtype or "bfloat16", batch_invariant=args.batch_invariant)
     ids = assets.encode_turn(target.tokenizer, [], args.prompt)
     t0 = time.perf_counter()
     res = ray_cli.generate(args, target, spec, ids, engine)

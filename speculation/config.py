@@ -513,8 +513,13 @@ class BenchConfig:
     """Only run the first N turns of multi-turn questions (None = all). Range [1, 10]."""
     threads: int | None = None
     """torch intra-op threads (None = leave torch's default). Range [1, 256]."""
+    batch_invariant: bool = False
+    """Run the target's products in row groups within each kernel's invariant limit
+    (:class:`~speculation.target.TargetModel`'s ``batch_invariant``)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"bench.batch_invariant must be true or false, got {self.batch_invariant!r}")
         if not self.methods:
             raise ConfigError("bench.methods must name at least one method")
         object.__setattr__(self, "methods", tuple(self.methods))
@@ -528,6 +533,19 @@ class BenchConfig:
             _check_int("bench", "max_turns", self.max_turns, 1, 10)
         if self.threads is not None:
             _check_int("bench", "threads", self.threads, 1, 256)
+
+
+def parse_concurrency(text: str | None) -> list[int]:
+    """``--concurrency 1,4,8`` -> [1, 4, 8] (each in [1, 1024]); [] for an empty value."""
+    if not text:
+        return []
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--concurrency must be comma-separated integers, got {text!r}") from None
+    if not levels or any(not 1 <= n <= 1024 for n in levels):
+        raise ConfigError(f"--concurrency values must be in [1, 1024], got {text!r}")
+    return levels
 
 
 _NESTED: dict[tuple[str, str], type] = {

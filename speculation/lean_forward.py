@@ -70,6 +70,13 @@ LEAN_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2"})
 _ONE_ROW_DIFFERS: dict[tuple, bool] = {}
 """(weight shape, dtype, has bias) -> whether a probed one-row product of that kernel differed."""
 
+_ROW_LIMIT: dict[tuple, int | None] = {}
+"""(weight shape, dtype, has bias) -> the batch-invariant row limit probed for that kernel
+(:meth:`PackedGemm.probe_row_limit`; None: every probed row count agrees)."""
+
+ROW_PROBE_COUNTS: tuple[int, ...] = (*range(2, 65), 80, 96, 128, 160, 192, 256)
+"""Row counts M the batch-invariant probe runs (every M up to 64: kernels switch at small M)."""
+
 
 class PackedGemm:
     """``x W^T + b`` on oneDNN's packed weight ``W`` ``[N, K]``: ``x`` ``[M, K]`` -> ``[M, N]``.
@@ -85,12 +92,22 @@ class PackedGemm:
     repeated, the copy dropped) only where a probe found a difference: a batched verify then
     equals the solo one bit for bit, and the shapes that need no help pay nothing (the two-row
     call costs about 40 us more per product).
+
+    **Batch-invariant mode** (:meth:`set_row_limit`, off by default). The same holds at larger M:
+    on the Xeon host with AMX-BF16 every bf16 product of SmolLM2 switches kernel above 32 rows,
+    so a decode row inside a step of more than 32 flat rows (a folded prefill, many trees) sums
+    in another order than its solo one-row decode. With a row limit R, a product of M > R rows
+    runs as ceil(M / R) products of at most R rows, every one in the kernels that agree with the
+    two-row product row for row, so a row's bits do not depend on the rest of the batch; the
+    price is the large kernel's speed on prefills and big verifies.
     """
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed, self.bias = packed, bias
         self._kernel = (tuple(packed.shape), packed.dtype, bias is not None)
         _ONE_ROW_DIFFERS[self._kernel] = self._probe() or _ONE_ROW_DIFFERS.get(self._kernel, False)
+        self.row_limit: int | None = None
+        """Batch-invariant mode's largest product (rows); None = off (one product of any M)."""
 
     @property
     def one_row_differs(self) -> bool:
@@ -113,7 +130,34 @@ class PackedGemm:
         # projection shows one in about half of its layers' probes), hence also the shared record
         return any(not torch.equal(self._raw(x[i : i + 1])[0], many[i]) for i in range(8))
 
+    @torch.inference_mode()
+    def probe_row_limit(self) -> int | None:
+        """The largest row count R such that, for every probed M <= R (:data:`ROW_PROBE_COUNTS`),
+        a product of M random rows equals the same rows taken two at a time, bit for bit; None
+        when every probed M agrees (the kernel is batch-invariant as it is). Shared by every weight
+        of the same kernel (shape, dtype, bias): the smallest limit any of them showed."""
+        k = int(self.packed.size(1))
+        top = ROW_PROBE_COUNTS[-1]
+        x = torch.randn(top, k, generator=torch.Generator().manual_seed(1)).to(self.packed.dtype)  # [top, K]
+        pairs = torch.cat([self._raw(x[i : i + 2]) for i in range(0, top, 2)])  # [top, N], the 2-row kernel
+        limit: int | None = None
+        for prev, m in zip(ROW_PROBE_COUNTS, ROW_PROBE_COUNTS[1:]):  # M = 2 is the reference itself
+            if not torch.equal(self._raw(x[:m]), pairs[:m]):
+                limit = prev
+                break
+        limits = [v for v in (limit, _ROW_LIMIT.get(self._kernel)) if v is not None]
+        _ROW_LIMIT[self._kernel] = min(limits) if limits else None
+        return _ROW_LIMIT[self._kernel]
+
+    def set_row_limit(self, on: bool) -> int | None:
+        """Turn batch-invariant mode on (probing this kernel's limit) or off; returns the limit."""
+        self.row_limit = self.probe_row_limit() if on else None
+        return self.row_limit
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        R = self.row_limit
+        if R is not None and x.shape[0] > R:  # batch-invariant mode: products of at most R rows
+            return torch.cat([self(x[i : i + R]) for i in range(0, x.shape[0], R)])
         if x.shape[0] == 1 and self.one_row_differs:
             return self._raw(torch.cat([x, x]))[:1]
         return self._raw(x)
@@ -395,6 +439,17 @@ class LeanDecoder:
         if layers is None:
             return None
         return cls(model, layers, PackedGemm(*head))
+
+    def gemms(self) -> list[PackedGemm]:
+        """Every packed product of the forward: each layer's four, then the output head."""
+        per_layer = [g for layer in self.layers.layers.values() for g in (layer.qkv, layer.wo, layer.gate_up, layer.down)]
+        return [*per_layer, self.head]
+
+    def set_batch_invariant(self, on: bool) -> dict[str, int | None]:
+        """Batch-invariant mode on or off for every product (:meth:`PackedGemm.set_row_limit`).
+        Returns each kernel's row limit by name (``[N, K] dtype``; None: needs no limit)."""
+        return {f"{list(g.packed.shape)} {str(g.dtype).removeprefix('torch.')}": g.set_row_limit(on)
+                for g in self.gemms()}
 
     def applies(self) -> bool:
         """Whether the lean forward may run now (see :meth:`LeanLayers.applies`)."""

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from speculation.config import BatchLayout
+from speculation.config import BatchLayout, ConfigError
 from speculation.kv_reserve import reserve_rows
 from speculation.lean_forward import LeanDecoder, RaggedRows
 from speculation.tree import DraftTree
@@ -117,6 +117,10 @@ class TargetModel:
         lean: run the forward passes through :class:`~speculation.lean_forward.LeanDecoder` where
             the model qualifies (a fused, packed Llama-family model on the CPU; the same operators
             without transformers' module glue), else through the model's own ``forward``.
+        batch_invariant: every product of the lean forward runs in row groups no larger than its
+            kernel's probed invariant limit (:class:`~speculation.lean_forward.PackedGemm`), so a
+            sequence's bits do not depend on how many rows share its step, at the large kernels'
+            speed. Needs the lean forward (:class:`ConfigError` otherwise).
     """
 
     def __init__(
@@ -125,9 +129,19 @@ class TargetModel:
         tokenizer: PreTrainedTokenizerBase | None = None,
         aux_layers: tuple[int, int, int] | None = None,
         lean: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model.eval()
         self.lean: LeanDecoder | None = LeanDecoder.from_model(self.model) if lean else None
+        self.batch_invariant_rows: dict[str, int | None] | None = None
+        """Batch-invariant mode's row limit per kernel; None when the mode is off."""
+        if batch_invariant:
+            if self.lean is None or not self.lean.placed():
+                raise ConfigError(
+                    "batch_invariant needs the lean forward: a fused, packed Llama-family model on the CPU "
+                    f"(got {type(model).__name__} on {self.device}); turn batch_invariant off for this model"
+                )
+            self.batch_invariant_rows = self.lean.set_batch_invariant(True)
         self.tokenizer = tokenizer
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers: int = cfg.num_hidden_layers

@@ -100,3 +100,24 @@ def test_bench_table_headers_are_whole_at_80_columns():
                  "step", "lossless"):
         assert word in header, word
     assert "graft_specblock" in text and "summarization" in text and "math_reasoning" in text
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "--methods", "vanilla", "--dataset", "humaneval", "--limit-per-category", "1", "--no-mlflow"],
+    ["generate", "--method", "vanilla", "--prompt", "Hi"],
+])
+def test_batch_invariant_with_ray_is_one_line_exit_2_before_loading(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_load_target", _no_load)
+    extra = ["--json", str(tmp_path / "o.json")] if command[0] == "bench" else []
+    code = cli.main([*command, *extra, "--ray", "--batch-invariant"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "--batch-invariant applies to the in-process target only" in err and "--ray" in err
+
+
+def test_bench_config_batch_invariant_must_be_a_bool():
+    from speculation.config import BenchConfig
+
+    assert BenchConfig(batch_invariant=True).batch_invariant is True
+    with pytest.raises(ConfigError, match="bench.batch_invariant must be true or false, got 'yes'"):
+        BenchConfig(batch_invariant="yes")

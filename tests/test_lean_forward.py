@@ -127,8 +127,47 @@ def _gemms_batch_invariant(model) -> bool:
     return True
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_verify_equals_the_solo_verify_bit_for_bit(dtype, request):
+INVARIANCE_CASES = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+"""(dtype, batch-invariant mode): the mode must give bits in bf16, where the AMX host's kernels switch
+at 33 rows; fp32 needs no limit on the hosts measured (the mode is then a no-op)."""
+
+
+def test_batch_invariant_products_equal_the_two_row_products_at_every_row_count():
+    """In batch-invariant mode every product of SmolLM2 bf16 (each layer shape and the head) gives
+    every row of an M-row input the bits of the same row multiplied two rows at a time, for M on
+    both sides of the probed limit (the limit is where the kernel switches, or None where it never
+    does), and every switch visible with the mode off was found by the probe."""
+    model, _ = assets.load_model_and_tokenizer("smollm2-135m", torch.bfloat16)
+    lean = LeanDecoder.from_model(model)
+    layer = next(iter(lean.layers.layers.values()))
+    gen = torch.Generator().manual_seed(7)
+    for g in (layer.qkv, layer.wo, layer.gate_up, layer.down, lean.head):
+        x = torch.randn(300, g.packed.shape[1], generator=gen).to(torch.bfloat16)
+        pairs = torch.cat([g(x[i : i + 2]) for i in range(0, 300, 2)])
+        off = {m: torch.equal(g(x[:m]), pairs[:m]) for m in (31, 32, 33, 47, 64, 150, 300)}
+        limit = g.set_row_limit(True)
+        assert limit is None or limit >= 2
+        for m in (1, 3, 31, 32, 33, 47, 64, 150, 300):
+            assert torch.equal(g(x[:m]), pairs[:m]), f"{list(g.packed.shape)}: M = {m}, limit {limit}"
+        assert all(off.values()) or limit is not None, off  # a switch the test sees, the probe found
+        assert g.set_row_limit(False) is None and g.row_limit is None
+
+
+def test_batch_invariant_mode_needs_the_lean_forward():
+    from speculation.config import ConfigError
+
+    model, tok = assets.load_model_and_tokenizer("smollm2-135m", torch.bfloat16)
+    plain = TargetModel(model, tok, lean=False)
+    assert plain.batch_invariant_rows is None
+    with pytest.raises(ConfigError, match="batch_invariant needs the lean forward"):
+        TargetModel(model, tok, lean=False, batch_invariant=True)
+    on = TargetModel(model, tok, batch_invariant=True)
+    assert on.batch_invariant_rows and all(v is None or v >= 2 for v in on.batch_invariant_rows.values())
+    assert "[49152, 576] bfloat16" in on.batch_invariant_rows  # the output head is covered
+
+
+@pytest.mark.parametrize(("dtype", "invariant"), INVARIANCE_CASES)
+def test_batched_verify_equals_the_solo_verify_bit_for_bit(dtype, invariant, request):
     """Batch invariance: four chat prompts of different lengths verified together (trees of 1 to 6
     nodes, one-token rows among them, rows that move on commit) give every sequence the logits and
     features of its own solo verify **bit for bit**, step after step, wherever the CPU's GEMMs are
@@ -141,8 +180,8 @@ def test_batched_verify_equals_the_solo_verify_bit_for_bit(dtype, request):
     from tests.helpers import random_tree
 
     model, tok = _load(dtype, request)
-    target = TargetModel(model, tok)
-    exact = _gemms_batch_invariant(model)
+    target = TargetModel(model, tok, batch_invariant=invariant)
+    exact = invariant or _gemms_batch_invariant(model)  # the mode promises bits whatever the kernels
     texts = ["Write a haiku about the sea.", "Hi", "List three prime numbers and explain why they are prime.",
              "Translate 'good morning, my friend' into French, please. " * 12]  # the last: 200+ tokens
     prompts = [assets.encode_turn(tok, [], t) for t in texts]
@@ -186,8 +225,8 @@ def test_batched_verify_equals_the_solo_verify_bit_for_bit(dtype, request):
             assert st.tokens == so.tokens
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_prefill_rows_equal_the_solo_chunked_prefill_bit_for_bit(dtype, request):
+@pytest.mark.parametrize(("dtype", "invariant"), INVARIANCE_CASES)
+def test_chunked_prefill_rows_equal_the_solo_chunked_prefill_bit_for_bit(dtype, invariant, request):
     """Chunked prefill: a 199-token and a 47-token prompt prefilled 32 tokens per batched step
     (each later chunk a masked row over its slot's earlier chunks) beside a live sequence that
     verifies trees, give the logits and features of the solo chunked prefill (``prefill(...,
@@ -198,8 +237,8 @@ def test_chunked_prefill_rows_equal_the_solo_chunked_prefill_bit_for_bit(dtype, 
     from tests.helpers import random_tree
 
     model, tok = _load(dtype, request)
-    target = TargetModel(model, tok)
-    exact = _gemms_batch_invariant(model)
+    target = TargetModel(model, tok, batch_invariant=invariant)
+    exact = invariant or _gemms_batch_invariant(model)  # the mode promises bits whatever the kernels
     C = 32
     texts = ["Hi", "List three prime numbers and explain why they are prime, then name a fourth one.",
              "Translate 'good morning, my friend' into French, please. " * 12]
