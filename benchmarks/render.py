@@ -49,6 +49,7 @@ SECTIONS: dict[str, str] = {
     "adapt_domain_shift_eagle3_fp32_audit": "Online adaptation: the recency run's settings with audits of kept updates, on a slower host: nothing applied, so nothing audited (fp32)",
     "adapt_harmful_eagle3_fp32": "Online adaptation: a deliberately harmful update (the draft head's rows shuffled) against static, and the swap guard's rollback, EAGLE-3 (fp32)",
     "adapt_domain_shift_specblock_fp32": "Online adaptation: policies on the domain-shift stream, SpecBlock, 10 requests per phase (fp32)",
+    "adapt_domain_shift_specblock_fp32_horizon600": "Online adaptation: SpecBlock, cost-aware against static with a 600 s horizon, 20 requests per phase: the gate applies a code update (fp32)",
     "adapt_harmful_specblock_fp32": "Online adaptation: a deliberately harmful update against static, and the swap guard's rollback, SpecBlock (fp32)",
     "online_knobs_eagle3_code_fp32": "Online updates: learning rate, share of accepted positions, optimizer steps, on HumanEval feedback (EAGLE-3, fp32)",
     "online_knobs_eagle3_chat_fp32": "Online updates: how much feedback a candidate needs, on chat feedback (EAGLE-3, fp32)",
