@@ -660,6 +660,20 @@ def render_fold_prefills(res: dict) -> list[str]:
     return lines
 
 
+def _ab_closed_loop(res: dict, ratio: str) -> list[str]:
+    """An A/B script's closed-loop table (``speculation.bench.ab``): per N and arm, medians and the
+    paired ``ratio`` (first arm over second)."""
+    lines = [f"| N | arm | tok/s | TTFT p50 ms | ITL p50 / p99 ms | lossless (per repeat) | {ratio} tok/s (paired) |",
+             "|---|---|---|---|---|---|---|"]
+    for n, level in res["concurrency"].items():
+        for i, (arm, m) in enumerate(level["arms"].items()):
+            cell = _paired_cell(level) if i == 0 else ""
+            lossless = ", ".join(_f(x) for x in m["lossless"])
+            lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} "
+                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {lossless} | {cell} |")
+    return lines
+
+
 def render_single_query_attention(res: dict) -> list[str]:
     """The one-query attention kernel, half precision against widened, then the closed-loop A/B."""
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}`: one layer's "
@@ -669,15 +683,7 @@ def render_single_query_attention(res: dict) -> list[str]:
              "| keys | half µs | widened µs | half / widened |", "|---|---|---|---|"]
     for k in res["kernel"]:
         lines.append(f"| {k['keys']} | {k['half_us']:.0f} | {k['widened_us']:.0f} | {_f(k['ratio'], 2, '×')} |")
-    lines += ["", "| N | arm | tok/s | TTFT p50 ms | ITL p50 / p99 ms | lossless (per repeat) | widened / half tok/s (paired) |",
-              "|---|---|---|---|---|---|---|"]
-    for n, level in res["concurrency"].items():
-        for i, (arm, m) in enumerate(level["arms"].items()):
-            cell = _paired_cell(level) if i == 0 else ""
-            lossless = ", ".join(_f(x) for x in m["lossless"])
-            lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} "
-                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {lossless} | {cell} |")
-    return lines
+    return lines + ["", *_ab_closed_loop(res, "widened / half")]
 
 
 def render_batch_invariant(res: dict) -> list[str]:
@@ -696,15 +702,7 @@ def render_batch_invariant(res: dict) -> list[str]:
         us = k["us"]
         lines.append(f"| {k['shape']} | {_f(k['limit'], 0)} | " + " | ".join(
             f"{us['default'][m]:.0f} / {us['invariant'][m]:.0f}" for m in ms) + " |")
-    lines += ["", "| N | arm | tok/s | TTFT p50 ms | ITL p50 / p99 ms | lossless (per repeat) | invariant / default tok/s (paired) |",
-              "|---|---|---|---|---|---|---|"]
-    for n, level in res["concurrency"].items():
-        for i, (arm, m) in enumerate(level["arms"].items()):
-            cell = _paired_cell(level) if i == 0 else ""
-            lossless = ", ".join(_f(x) for x in m["lossless"])
-            lines.append(f"| {n} | {arm} | {_f(m['tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} "
-                         f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {lossless} | {cell} |")
-    return lines
+    return lines + ["", *_ab_closed_loop(res, "invariant / default")]
 
 
 def render_curve(res: dict) -> list[str]:
