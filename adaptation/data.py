@@ -123,13 +123,11 @@ def normalize(text: str) -> str:
 
 
 def spec_bench_texts() -> set[str]:
-    """Normalised turns of every Spec-Bench question (empty if the file is absent)."""
+    """Normalised turns of every Spec-Bench question (the packaged copy; a missing file raises
+    :class:`~speculation.assets.AssetError` rather than silently dropping the decontamination)."""
     from speculation import assets
 
-    path = assets.spec_bench_path()
-    if not path.is_file():
-        return set()
-    return {normalize(t) for q in assets.load_questions(str(path)) for t in q.turns}
+    return {normalize(t) for q in assets.load_questions(assets.SPEC_BENCH) for t in q.turns}
 
 
 def is_excluded(first_user_turn: str, excluded: set[str], long_excluded: list[str] | None = None) -> bool:

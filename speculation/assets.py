@@ -19,8 +19,10 @@ regular Hugging Face directory (``config.json``, safetensors weights in fp32,
 tokenizer files), which later loads in about a second.
 
 Questions use Spec-Bench's ``question.jsonl`` format. Besides Spec-Bench itself
-(``spec_bench``, read from the shared data folder) and any jsonl file in that
-format, a few datasets are built from packaged files: see ``PACKAGED_DATASETS``.
+(``spec_bench``: the copy vendored as package data in
+``speculation/bench/data/spec_bench/``, with its licence and attribution) and any
+jsonl file in that format, a few datasets are built from packaged files: see
+``PACKAGED_DATASETS``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -727,9 +730,12 @@ SPEC_BENCH = "spec_bench"
 
 
 def spec_bench_path() -> Path:
-    """``<repo>/../shared/data/spec_bench/question.jsonl`` (it may not exist)."""
-    repo = Path(__file__).resolve().parent.parent
-    return repo.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+    """Spec-Bench's ``question.jsonl`` (480 questions, 13 categories), shipped with the package.
+
+    The file is package data of ``speculation.bench`` (``data/spec_bench/``, beside its Apache-2.0
+    licence and attribution), so a plain clone and an installed wheel both have it.
+    """
+    return Path(str(resources.files("speculation.bench"))) / "data" / "spec_bench" / "question.jsonl"
 
 
 def _read_jsonl(path: Path, opener: Callable[..., Any] = open) -> Iterator[tuple[int, dict]]:
@@ -855,8 +861,8 @@ def _valid_names() -> str:
 def load_questions(name_or_path: str | os.PathLike, limit_per_category: int | None = None) -> list[Question]:
     """Load benchmark questions, in file order.
 
-    ``name_or_path`` is ``"spec_bench"`` (the shared copy of Spec-Bench's
-    ``question.jsonl``), one of ``PACKAGED_DATASETS`` (built from packaged files;
+    ``name_or_path`` is ``"spec_bench"`` (the packaged copy of Spec-Bench's
+    ``question.jsonl``, :func:`spec_bench_path`), one of ``PACKAGED_DATASETS`` (built from packaged files;
     the category is the dataset name, one turn per question), or the path of a
     jsonl file in Spec-Bench's format. ``limit_per_category`` keeps the first N
     questions of each category.
@@ -868,8 +874,9 @@ def load_questions(name_or_path: str | os.PathLike, limit_per_category: int | No
         path = spec_bench_path()
         if not path.is_file():
             raise AssetError(
-                f"Spec-Bench questions not found at {path}. Pass the path to Spec-Bench's "
-                f"question.jsonl with --dataset PATH."
+                f"Spec-Bench questions not found at {path}: the package is incomplete (the file "
+                f"ships as package data of speculation.bench); reinstall graftblock, or pass "
+                f"the path to Spec-Bench's question.jsonl with --dataset PATH."
             )
         questions = _question_file(path)
     elif name == "mixed":

@@ -46,21 +46,17 @@ def _storage(url: str):
 
 
 def _bench_for(cfg: SweepConfig, root: Path):
-    """The bench config with a relative dataset path (and ``spec_bench``) resolved against ``root``.
+    """The bench config with a relative dataset path resolved against ``root``.
 
-    A Ray job runs in a temporary copy of the checkout, where ``../shared`` does not exist.
+    A Ray job runs in a temporary copy of the checkout, so a relative question file is taken from
+    the checkout the sweep was submitted from. Named datasets (``spec_bench`` included: it ships
+    as package data) need no resolution.
     """
     import dataclasses
 
-    from speculation import assets
-
     bench = cfg.bench_config()
     ds = bench.dataset
-    if ds == assets.SPEC_BENCH and not assets.spec_bench_path().exists():
-        candidate = root.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
-        if candidate.exists():
-            return dataclasses.replace(bench, dataset=str(candidate), dtype=bench.dtype.value)
-    elif ds.endswith(".jsonl") and not Path(ds).is_absolute():
+    if ds.endswith(".jsonl") and not Path(ds).is_absolute():
         return dataclasses.replace(bench, dataset=str((root / ds).resolve()), dtype=bench.dtype.value)
     return bench
 

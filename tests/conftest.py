@@ -53,10 +53,7 @@ def spec_bench_refs(smol_fp32):
     from speculation.config import EngineConfig, SamplingConfig
     from speculation.engine import generate_vanilla
 
-    try:
-        questions = assets.load_questions("spec_bench", limit_per_category=1)
-    except assets.AssetError:
-        pytest.skip("Spec-Bench question file not available beside the checkout")
+    questions = assets.load_questions("spec_bench", limit_per_category=1)  # packaged with the code
     questions = sorted(questions, key=lambda q: q.category in _MT_BENCH)
     prompts = [assets.encode_turn(smol_fp32.tokenizer, [], q.turns[0]) for q in questions[:SPEC_BENCH_PROMPTS]]
     assert len(prompts) == SPEC_BENCH_PROMPTS

@@ -187,25 +187,38 @@ def test_sha256_mismatch(monkeypatch, tmp_path):
 # ----------------------------------------------------------------------------- questions
 
 
-def _spec_bench_or_skip() -> Path:
+SPEC_BENCH_CATEGORIES = {
+    "writing": 10, "roleplay": 10, "reasoning": 10, "math": 10, "coding": 10, "extraction": 10,
+    "stem": 10, "humanities": 10,  # the 8 MT-Bench categories
+    "translation": 80, "summarization": 80, "qa": 80, "math_reasoning": 80, "rag": 80,
+}
+
+
+def test_spec_bench_ships_inside_the_package():
+    """The questions are package data, with Spec-Bench's licence and an attribution beside them:
+    nothing outside the checkout (or the installed package) is read."""
+    import speculation
+
     path = assets.spec_bench_path()
-    if not path.is_file():
-        pytest.skip(f"Spec-Bench question file not present at {path}")
-    return path
+    package = Path(speculation.__file__).resolve().parent
+    assert path.is_file()
+    assert path.resolve().is_relative_to(package), f"{path} is outside {package}"
+    assert "Apache License" in (path.parent / "LICENSE").read_text(encoding="utf-8")
+    attribution = (path.parent / "README.md").read_text(encoding="utf-8")
+    assert "hemingkx/Spec-Bench" in attribution and "Apache" in attribution
 
 
 def test_spec_bench():
-    _spec_bench_or_skip()
     questions = load_questions("spec_bench")
     assert len(questions) == 480
-    assert len({q.category for q in questions}) == 13
+    assert Counter(q.category for q in questions) == SPEC_BENCH_CATEGORIES
     assert all(isinstance(q, Question) and isinstance(q.question_id, str) for q in questions)
     assert all(isinstance(q.turns, tuple) and q.turns for q in questions)
     assert len({q.question_id for q in questions}) == 480
+    assert load_questions(assets.spec_bench_path()) == questions  # the name is that file
 
 
 def test_spec_bench_limit_per_category():
-    _spec_bench_or_skip()
     full = load_questions("spec_bench")
     limited = load_questions("spec_bench", limit_per_category=2)
     assert len(limited) == 26
@@ -213,10 +226,12 @@ def test_spec_bench_limit_per_category():
     assert limited == [q for q in full if q in limited]  # file order kept
 
 
-def test_spec_bench_missing(monkeypatch, tmp_path):
+def test_spec_bench_missing_names_the_file(monkeypatch, tmp_path):
+    """A broken install (package data stripped) fails with the path and the way out."""
     monkeypatch.setattr(assets, "spec_bench_path", lambda: tmp_path / "question.jsonl")
-    with pytest.raises(AssetError, match="--dataset PATH"):
+    with pytest.raises(AssetError, match="--dataset PATH") as err:
         load_questions("spec_bench")
+    assert str(tmp_path / "question.jsonl") in str(err.value)
 
 
 def test_question_file(tmp_path):

@@ -29,10 +29,7 @@ CONCURRENCY_KEYS = {"tokens_per_s", "request_tokens_per_s", "ttft_p50_s", "ttft_
 
 
 def test_retrieval_is_lossless_on_spec_bench_fp32(smol_fp32):
-    try:
-        questions = assets.load_questions("spec_bench", limit_per_category=1)
-    except assets.AssetError:
-        pytest.skip("Spec-Bench question file not available beside the checkout")
+    questions = assets.load_questions("spec_bench", limit_per_category=1)  # packaged with the code
     assert len(questions) >= 8
     questions = questions[:8]  # 8 categories x 32 tokens keep the fp32 bench path under a minute
     cfg = BenchConfig(methods=("vanilla", "retrieval"), dtype="float32", dataset="spec_bench",

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from graftblock.cli import build_parser
 from graftblock.cli import main as cli_main
 from graftblock.train import configure
-from speculation.assets import spec_bench_path
+from adaptation.data import normalize
 from speculation import assets
 from speculation.drafters.checkpoint import SPECBLOCK
 
@@ -66,12 +66,10 @@ def test_cli_trains_exports_and_logs(tiny_chat_model, tmp_path, monkeypatch):
     assert manifest["command"].startswith("graftblock train eagle3")
     steps = manifest["training"]["steps"]
     assert len(manifest["tau_curve"]) >= 2
-    # The training data excludes every Spec-Bench text (decontamination); without the question
-    # file beside the checkout there is nothing to exclude.
-    if spec_bench_path().is_file():
-        assert manifest["data"]["spec_bench_excluded_texts"] > 0
-    else:
-        assert manifest["data"]["spec_bench_excluded_texts"] == 0
+    # The training data excludes every Spec-Bench text (decontamination): every distinct turn of
+    # the packaged question file is in the exclusion set.
+    turns = {normalize(t) for q in assets.load_questions("spec_bench") for t in q.turns}
+    assert manifest["data"]["spec_bench_excluded_texts"] == len(turns) == 560  # MT-Bench's have 2 turns
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("test-train")
     runs = client.search_runs([exp.experiment_id])

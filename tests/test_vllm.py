@@ -137,10 +137,7 @@ def test_vllm_spec_validation():
 def prompts(smol_fp32):
     from speculation import assets
 
-    try:
-        questions = assets.load_questions("spec_bench", limit_per_category=1)[:PROMPTS]
-    except assets.AssetError:
-        pytest.skip("Spec-Bench question file not available beside the checkout")
+    questions = assets.load_questions("spec_bench", limit_per_category=1)[:PROMPTS]  # packaged
     return [assets.encode_turn(smol_fp32.tokenizer, [], q.turns[0]) for q in questions]
 
 
