@@ -1,4 +1,4 @@
-"""The cost-aware bandit over update budgets, its conservative gate, and regret (ALGORITHMS.md §8).
+"""The cost-aware bandit over update budgets, its conservative gate, and regret (docs/algorithms.md §8).
 
 **Arms.** ``budgets`` = optimizer steps of an update, 0 = skip (e.g. 0 / 32 / 128 / 512).
 

@@ -1,4 +1,6 @@
-"""Config adaptation: a UCB bandit over tree configurations, reward = measured tokens/s (ALGORITHMS.md §8).
+"""Config adaptation: a UCB bandit over tree configurations, reward = measured tokens/s.
+
+The formulas are in docs/algorithms.md §8 ("Config adaptation").
 
 BanditSpec (ICML'25, ``sail-sg/BanditSpec``) picks speculation hyper-parameters with UCB on the
 measured speed; HedgeSpec (arXiv 2510.20064) notes that the verified trajectory scores every

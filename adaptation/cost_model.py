@@ -1,4 +1,4 @@
-"""What an online update costs, in measured seconds of serving time (ALGORITHMS.md §8, "Cost model").
+"""What an online update costs, in measured seconds of serving time (docs/algorithms.md §8, "Cost model").
 
 (:mod:`speculation.cost` is the verify-cost curve c(T) used for tree sizing; this module prices
 *updates*.) For an arm that trains ``n`` optimizer steps:

@@ -1,7 +1,7 @@
 """Family-neutral evaluation of a draft head: tau of real speculative decoding.
 
-``tau`` = (tokens gained over all verify steps) / (verify steps), bonus included (DESIGN.md
-metrics); ``accepted_per_step`` = mean accepted draft tokens per step; greedy decoding, so the
+``tau`` = (tokens gained over all verify steps) / (verify steps), bonus included (docs/algorithms.md
+§7); ``accepted_per_step`` = mean accepted draft tokens per step; greedy decoding, so the
 output equals the target's own greedy text and only the speed figures depend on the head.
 A family's teacher-forced held-out metrics live with its loss (``adaptation/<family>_loss.py``).
 """

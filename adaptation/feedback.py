@@ -1,6 +1,6 @@
 """Free verifier feedback for online adaptation: compact step records, a non-blocking sink, a replay buffer.
 
-Every verify step of the decode loop already has what a feature drafter trains on (ALGORITHMS.md
+Every verify step of the decode loop already has what a feature drafter trains on (docs/algorithms.md
 §8, "Feedback"): the accepted tokens (root first), the target's aux features at those nodes, the
 verified tree and, when the drafter asked for it, the target's top-k at every node. One
 :class:`FeedbackRecord` per step keeps exactly that, detached and compact (aux in bf16).

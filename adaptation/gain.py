@@ -1,4 +1,4 @@
-"""The expected gain of a candidate update, estimated offline on held-out feedback (ALGORITHMS.md §8).
+"""The expected gain of a candidate update, estimated offline on held-out feedback (docs/algorithms.md §8).
 
 **Replay** (HedgeSpec's observation: the verified trajectory scores any drafter after the fact).
 The held-out feedback holds the target's committed chain ``x_0 .. x_L`` and its aux features at

@@ -1,6 +1,6 @@
 """The reduced draft vocabulary: the N_d most frequent target ids at trained-on positions.
 
-Steps (ALGORITHMS.md section 3): count tokens at loss-masked (assistant) positions, keep the N_d
+Steps (docs/algorithms.md §3): count tokens at loss-masked (assistant) positions, keep the N_d
 most frequent, sort them by id; the head then stores ``d2t[i] = ids[i] - i`` and
 ``t2d = 1[v in ids]``. When fewer than N_d distinct tokens were seen (the [gap] in the sources),
 the remaining slots go to unseen ids in ascending id order, so the size is always exactly N_d.

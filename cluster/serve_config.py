@@ -52,7 +52,7 @@ GUARD_MODES = ("paired", "live")
 
 @dataclass(frozen=True)
 class LearnerServeConfig:
-    """The ``learner`` section: online adaptation inside the server (ALGORITHMS.md section 8).
+    """The ``learner`` section: online adaptation inside the server (docs/algorithms.md §8).
 
     Only a learned feature drafter (``eagle3``, ``specblock``) can be adapted. With a method that
     is not learnable (``vanilla``, ``retrieval``, ``graft``) an enabled learner is a no-op: the

@@ -1,6 +1,6 @@
 """The learner inside the server: per-replica feedback shipping and weight swaps around ONE shared learner actor.
 
-Per replica (ALGORITHMS.md section 8, DESIGN.md "Online adaptation")::
+Per replica (docs/algorithms.md §8; the rules in docs/architecture.md §2)::
 
     engine thread: step() --feedback hook--> FeedbackSink (bounded queue, put_nowait; full = dropped)
                                                  | sink thread: RemoteFeed (<= max_inflight feed calls;

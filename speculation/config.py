@@ -233,7 +233,7 @@ class StageUnit(str, enum.Enum):
 
 @dataclass(frozen=True)
 class GraftConfig:
-    """Knobs of Graft (``speculation/drafters/graft.py``; ALGORITHMS.md sections 0, 5, 6).
+    """Knobs of Graft (``speculation/drafters/graft.py``; docs/algorithms.md §0, §5, §6).
 
     Graft prunes the tree of a *tree drafter* (``tree_drafter``: EAGLE-3 or SpecBlock) and grafts
     retrieved tokens into the slots pruning freed. Per step the tree drafter grows level by level
@@ -491,7 +491,7 @@ def to_dict(obj: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One ``graftblock bench`` invocation (the Bench CLI contract in DESIGN.md)."""
+    """One ``graftblock bench`` invocation (the bench contract, docs/architecture.md §5)."""
 
     methods: tuple[str, ...] = ("vanilla", "retrieval")
     """Methods to run; ``vanilla`` (the baseline) is always run first if not listed."""
@@ -556,7 +556,7 @@ _NESTED: dict[tuple[str, str], type] = {
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    """Knobs of the EAGLE-3 dynamic-tree drafter (ALGORITHMS.md section 3).
+    """Knobs of the EAGLE-3 dynamic-tree drafter (docs/algorithms.md §3).
 
     The tree grows ``depth`` levels below the first one (one drafter forward each) with beam
     width ``top_k``; the pool of ``top_k + depth * top_k**2`` candidates is reranked by cumulative
@@ -635,7 +635,7 @@ class Eagle3Config:
 
 @dataclass(frozen=True)
 class SpecBlockConfig:
-    """Knobs of the SpecBlock block drafter (ALGORITHMS.md section 4; ``drafters/specblock.py``).
+    """Knobs of the SpecBlock block drafter (docs/algorithms.md §4; ``drafters/specblock.py``).
 
     One drafter forward emits ``block_size`` dependent positions. Block 1 drafts a greedy chain at
     the root; the rank head's class per slot sets how many alternatives branch there

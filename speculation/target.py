@@ -1,6 +1,6 @@
 """The target model: prefill, one-pass tree verification, and KV compaction to the accepted path.
 
-Tree forward (ALGORITHMS.md section 1). Over a KV cache holding the n committed tokens, the T
+Tree forward (docs/algorithms.md §1). Over a KV cache holding the n committed tokens, the T
 tree nodes are fed in node order with
 
 * RoPE position ``n + depth_i``,

@@ -14,7 +14,7 @@ Siblings are unique by token: adding a child whose token already hangs under the
 returns the existing node (and keeps the higher score). That is what makes "merge duplicate
 siblings" hold by construction, and it keeps greedy acceptance single-path.
 
-The ancestor-or-self mask is ``A[i] = A[parents[i]] | e_i`` (ALGORITHMS.md section 1); the RoPE
+The ancestor-or-self mask is ``A[i] = A[parents[i]] | e_i`` (docs/algorithms.md §1); the RoPE
 position of node i over a committed prefix of length n is ``n + depths[i]``.
 """
 
@@ -220,7 +220,7 @@ class DraftTree:
         """The best ``budget`` non-root nodes by score, closed under ancestors, as a new tree.
 
         Nodes are taken in descending score; a node is added together with its missing ancestors
-        if they all fit (ALGORITHMS.md section 4, step 5). Node order in the result keeps the
+        if they all fit (docs/algorithms.md §4, tree growth step 5). Node order in the result keeps the
         original (parents-first) order, so sibling order is stable.
         """
         if budget < 0:

@@ -1,4 +1,4 @@
-"""Acceptance over a draft tree: greedy and lossless stochastic (ALGORITHMS.md section 2).
+"""Acceptance over a draft tree: greedy and lossless stochastic (docs/algorithms.md §2).
 
 Greedy (T = 0): starting at the root, descend to the child whose token equals
 ``argmax z_cur``; stop when no child matches. The bonus is ``argmax z_last``. Siblings are unique

@@ -1,4 +1,5 @@
-"""Online adaptation (ALGORITHMS.md §8) on a tiny random Llama: feedback, updates, gate, rollback, Ray learner.
+"""Online adaptation (docs/algorithms.md §8) on a tiny random Llama: feedback, updates, gate, rollback,
+the Ray learner.
 
 Every drafter here is a real EAGLE-3 / SpecBlock head over a real (tiny) target; feedback comes from
 the real decode loop's hook, updates run the families' real losses, the learner is a real Ray actor.

@@ -1,4 +1,4 @@
-"""Statistical losslessness of speculative sampling (ALGORITHMS.md section 2b/2c).
+"""Statistical losslessness of speculative sampling (docs/algorithms.md §2b, §2c).
 
 Setup. A tiny random Llama (vocabulary 10, fixed seed) whose lm_head is scaled up (x15) so that,
 after temperature 0.8 and top-p 0.9, the next-token distributions range from flat (max prob

@@ -300,7 +300,7 @@ def test_ancestor_mask_matches_brute_force(arr):
     assert mask.shape == (n, n) and mask.dtype == torch.bool
     for i in range(n):
         assert {j for j in range(n) if mask[i, j]} == brute_ancestors(tree, i)
-    # depth = |ancestors| - 1 (ALGORITHMS.md section 1)
+    # depth = |ancestors| - 1 (docs/algorithms.md §1)
     assert (mask.sum(-1) - 1).tolist() == tree.depths
     tt = tree.to_tensors()
     assert torch.equal(tt.ancestor_mask, mask)

@@ -1,6 +1,6 @@
 """Spec-Bench metrics, computed only from per-turn generation records.
 
-Definitions (Spec-Bench ``evaluation/speed.py``; ALGORITHMS.md section 7):
+Definitions (Spec-Bench ``evaluation/speed.py``; docs/algorithms.md §7):
 
 * per-question speed  = sum over turns of new tokens / sum over turns of wall seconds;
 * tokens_per_s        = mean over questions of per-question speed;

@@ -3,7 +3,7 @@
 For each question, every method (vanilla first in the list, then the others, the order rotated
 per question so no method always runs right after another) answers all turns; a second turn is
 conditioned on that method's own first answer, as Spec-Bench does. Greedy outputs are compared
-with vanilla's turn by turn. Results follow the JSON contract in DESIGN.md.
+with vanilla's turn by turn. Results follow the JSON contract in docs/architecture.md §5.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def run_bench(
     progress: Callable[[int, int, str], None] | None = None,
     method_parts: MethodParts | None = None,
 ) -> dict:
-    """Run the bench and return the result dict (DESIGN.md "Bench CLI contract").
+    """Run the bench and return the result dict (the bench contract, docs/architecture.md §5).
 
     ``method_parts(spec) -> (backend, drafter)``, when given, supplies every non-vanilla
     method's target backend and a fresh drafter (e.g. Ray actors); vanilla and peers still run

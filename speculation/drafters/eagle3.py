@@ -1,6 +1,6 @@
 """EAGLE-3 drafter behind the :class:`~speculation.drafters.base.Drafter` protocol.
 
-Per request (ALGORITHMS.md section 3, "Inference drafting and dynamic tree"):
+Per request (docs/algorithms.md §3, "Inference drafting and dynamic tree"):
 
 * ``begin`` stores the prompt's pairs ``(f_i, x_{i+1})``, i = 0..n-1: the target's fused aux
   features at token i and the next token (the last pair carries the pending root).

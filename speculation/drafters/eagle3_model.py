@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft network (ALGORITHMS.md section 3): fusion, one decoder layer, draft LM head.
+"""The EAGLE-3 draft network (docs/algorithms.md §3): fusion, one decoder layer, draft LM head.
 
 Shapes (H = the target's hidden size, N_d = draft vocabulary, V = target vocabulary):
 

@@ -1,5 +1,5 @@
 """Graft (arXiv 2605.20104): dynamic-depth pruning of a drafter tree, then grafting of retrieved
-tokens into the freed slots, verified in one tree pass (ALGORITHMS.md sections 0, 5, 6).
+tokens into the freed slots, verified in one tree pass (docs/algorithms.md §0, §5, §6).
 
 Per decode step, with K_max the dense tree size (root included), L the committed context length
 and stages s_1 < ... < s_m:

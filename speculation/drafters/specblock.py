@@ -1,6 +1,6 @@
 """SpecBlock drafter behind the :class:`~speculation.drafters.base.Drafter` protocol.
 
-Per request (ALGORITHMS.md section 4):
+Per request (docs/algorithms.md §4):
 
 * ``begin``/``observe`` store the committed pairs ``(f_i, x_{i+1})`` exactly as EAGLE-3 does
   (aux at the accepted nodes paired with the tokens after them and the bonus token: the

@@ -1,4 +1,4 @@
-"""The SpecBlock draft network (ALGORITHMS.md section 4): K slots per forward, layer-wise shift,
+"""The SpecBlock draft network (docs/algorithms.md §4): K slots per forward, layer-wise shift,
 rank head.
 
 Shapes: H = the target's hidden size, K = block size, N_d = draft vocabulary, L_d = layers.
