@@ -74,10 +74,11 @@ import torch
 import yaml
 
 from speculation.config import ConfigError, EngineConfig
-from speculation.cost import interp
+from speculation.policy.cost import interp
 from speculation.drafters import MethodSpec, build_drafter, resolve_methods
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
-from speculation.engine import GenerationResult, generate_speculative
+from speculation.engine.sequence import GenerationResult
+from speculation.engine.solo import generate_speculative
 
 PARETO_FILE = "pareto_front.yaml"
 """The arm file ``graftblock compare`` writes beside ``runs.json``."""
@@ -449,7 +450,7 @@ class ConfigAdapter:
     """Serves requests one by one, switching the drafter config between them (module docstring).
 
     Args:
-        target: the target model (any :class:`~speculation.engine.TargetBackend`).
+        target: the target model (any :class:`~speculation.engine.sequence.TargetBackend`).
         arms: the tree configurations; one drafter is built per arm.
         config: the bandit's knobs.
     """

@@ -1,6 +1,6 @@
 """What an online update costs, in measured seconds of serving time (docs/algorithms.md §8, "Cost model").
 
-(:mod:`speculation.cost` is the verify-cost curve c(T) used for tree sizing; this module prices
+(:mod:`speculation.policy.cost` is the verify-cost curve c(T) used for tree sizing; this module prices
 *updates*.) For an arm that trains ``n`` optimizer steps:
 
     C(n)   = n * s_opt * kappa + s_sync           (what applying costs: the gate's C)

@@ -293,7 +293,7 @@ def sharegpt_data(
 
     Args:
         tokenizer: the target's tokenizer (chat template).
-        target: the :class:`~speculation.target.TargetModel` (self-distillation generates with it).
+        target: the :class:`~speculation.model.target.TargetModel` (self-distillation generates with it).
         max_len: tokens per training sequence (longer conversations are truncated).
         heldout: the first ``heldout`` conversations are held out, never trained on.
         regenerate_tokens: self-distillation: replace answers by this many target-generated

@@ -15,7 +15,7 @@ import torch
 
 from speculation.config import EngineConfig, SamplingConfig
 from speculation.drafters.base import Drafter
-from speculation.engine import generate_speculative
+from speculation.engine.solo import generate_speculative
 
 
 @torch.inference_mode()

@@ -175,7 +175,7 @@ class Trainer:
     Args:
         cfg: the shared training knobs.
         family: the drafter family (its network, loss, held-out metrics, tau drafter and knobs).
-        target: a :class:`~speculation.target.TargetModel` (extraction and evaluation dtype).
+        target: a :class:`~speculation.model.target.TargetModel` (extraction and evaluation dtype).
         data: the training text (:class:`~adaptation.data.TrainData`).
         workdir: features, checkpoints and resume state live here.
         target_name: recorded in checkpoints and manifests (e.g. ``smollm2-135m``).

@@ -4,7 +4,7 @@
 
 oneDNN picks a GEMM kernel by the row count; where two kernels sum in different orders, a row's
 bits depend on how many rows share its product (on the Xeon host with AMX-BF16: every bf16
-product of SmolLM2 above 32 rows). In the mode, :class:`~speculation.lean_forward.PackedGemm`
+product of SmolLM2 above 32 rows). In the mode, :class:`~speculation.model.lean_forward.PackedGemm`
 runs a product of M rows as groups within the probed limit (:meth:`PackedGemm.probe_row_limit`).
 
 Part 1, the kernels: per product shape, the probed limit and the median seconds of one product at

@@ -6,7 +6,7 @@ The solo retrieval drafter cuts each tree by the verify curve c(T, L) that ``bui
 measures once, in a few seconds, at start-up. In the fp32 concurrency run of BENCHMARKS.md a unit
 test shared the two cores during that measurement; the curve read flat, the drafter verified
 13-token trees instead of 3, and ran at 0.94x vanilla. The drafters now correct a measured curve
-by every solo verify step (:class:`~speculation.cost.OnlineCostModel`).
+by every solo verify step (:class:`~speculation.policy.cost.OnlineCostModel`).
 
 This script measures c(T, L) twice on one target: on the host as it is (``clean``), and while
 ``--burners`` busy-loop processes (started here, stopped by PID) share the cores (``disturbed``).
@@ -40,7 +40,7 @@ ARMS = ("vanilla", "clean", "disturbed_frozen", "disturbed_online")
 
 def _measure(target, size: int, burners: int):
     """c(T, L) measured now, with ``burners`` busy-loop processes running (0 = none)."""
-    from speculation.cost import measure_cost_model
+    from speculation.policy.cost import measure_cost_model
 
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
     try:
@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     from speculation import assets
     from speculation.bench.runner import emit_json, environment
     from speculation.config import EngineConfig, RetrievalConfig, SamplingConfig
-    from speculation.cost import OnlineCostModel
+    from speculation.policy.cost import OnlineCostModel
     from speculation.drafters.retrieval import RetrievalDrafter
-    from speculation.engine import generate_speculative, generate_vanilla
-    from speculation.target import TargetModel
+    from speculation.engine.solo import generate_speculative, generate_vanilla
+    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
     target = TargetModel(model, tok)

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     baseline = None
     if args.baseline is not None:
-        from speculation.target import TargetModel
+        from speculation.model.target import TargetModel
 
         if args.baseline == "unfused":
             baseline = TargetModel(assets.load_model(args.model, target.dtype, fuse=False), target.tokenizer)

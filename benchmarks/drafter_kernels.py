@@ -27,7 +27,7 @@ ARMS = ("linear", "packed")
 
 def _unpacked(network: nn.Module) -> nn.Module:
     """A copy of ``network`` whose packed linear layers are plain ``nn.Linear`` (same values)."""
-    from speculation.output_head import PackedLinear
+    from speculation.model.output_head import PackedLinear
 
     plain = copy.deepcopy(network)
     for parent in list(plain.modules()):
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     from speculation.config import EngineConfig, Eagle3Config, SamplingConfig, SpecBlockConfig
     from speculation.drafters.eagle3 import build_eagle3_drafter
     from speculation.drafters.specblock import build_specblock_drafter
-    from speculation.engine import generate_speculative, generate_vanilla
-    from speculation.output_head import PackedLinear
+    from speculation.engine.solo import generate_speculative, generate_vanilla
+    from speculation.model.output_head import PackedLinear
 
     builders = {"eagle3": lambda t: build_eagle3_drafter(Eagle3Config(), t),
                 "specblock": lambda t: build_specblock_drafter(SpecBlockConfig(), t)}

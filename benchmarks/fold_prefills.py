@@ -9,7 +9,7 @@
 
 Runs the closed loop of ``graftblock bench --concurrency`` (:func:`~speculation.bench.runner.run_concurrency`:
 N clients, each sending the next Spec-Bench first turn when its request ends) through
-:class:`~speculation.engine.BatchEngine` twice per repeat: with ``fold_prefills`` on (an arriving
+:class:`~speculation.engine.batch.BatchEngine` twice per repeat: with ``fold_prefills`` on (an arriving
 prompt is one more causal row of the step's flat forward) and off (each arriving prompt gets its
 own forward before the step); with ``--chunk C``, ``prefill_chunk_tokens=C`` (a long prompt is
 prefilled C tokens per step; ``--step-budget S`` adds ``prefill_step_tokens=S``) against whole
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from speculation import assets
     from speculation.bench.runner import emit_json, environment, run_concurrency
     from speculation.config import BenchConfig, DType, EngineConfig, SamplingConfig
-    from speculation.engine import generate_vanilla
+    from speculation.engine.solo import generate_vanilla
 
     torch.set_num_threads(args.threads)
     target = _load_target(args.model, args.dtype)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/goodput_calibration.py --sequences 16 --dtype float32
 
 Runs the first ``--sequences`` Spec-Bench first turns together through
-:class:`~speculation.engine.BatchEngine` with ``--method`` and ``goodput: true`` (greedy,
+:class:`~speculation.engine.batch.BatchEngine` with ``--method`` and ``goodput: true`` (greedy,
 ``--max-new-tokens`` each). For every step in which all sequences are live it records the
 rule's prediction (``goodput_predicted_s``: k * c(B, t, L) + drafting seconds), the measured step
 seconds, the target-forward seconds (a sequence's ``verify_s`` covers the shared forward plus
@@ -36,7 +36,7 @@ import torch
 
 def _run(target, factory, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[dict], object]:
     from speculation.config import BatchConfig, SamplingConfig
-    from speculation.engine import BatchEngine, Request
+    from speculation.engine.batch import BatchEngine, Request
 
     slot = max(len(p) for p in prompts) + max_new_tokens + 1
     engine = BatchEngine(target, factory, BatchConfig(max_sequences=len(prompts), max_tokens_per_sequence=slot,
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from speculation import assets
     from speculation.bench.runner import environment
     from speculation.drafters import build_drafter, resolve_methods
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
     target = TargetModel(model, tok)

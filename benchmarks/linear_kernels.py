@@ -27,7 +27,7 @@ ARMS = ("linear", "transposed_head", "packed")
 
 def _arms(model: nn.Module) -> dict[str, dict[tuple[nn.Module, str], nn.Module]]:
     """Per arm, the module to put at each (parent, child name) holding a linear layer."""
-    from speculation.output_head import PackedLinear, TransposedHead
+    from speculation.model.output_head import PackedLinear, TransposedHead
 
     head = model.get_output_embeddings()
     out: dict[str, dict[tuple[nn.Module, str], nn.Module]] = {a: {} for a in ARMS}
@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from speculation.bench.runner import emit_json, environment, median_call_s
     from speculation.config import EngineConfig, SamplingConfig
     from speculation.drafters import build_drafter, resolve_methods
-    from speculation.engine import generate_speculative, generate_vanilla
-    from speculation.output_head import onednn_available
-    from speculation.target import TargetModel
+    from speculation.engine.solo import generate_speculative, generate_vanilla
+    from speculation.model.output_head import onednn_available
+    from speculation.model.target import TargetModel
 
     if not onednn_available():
         raise SystemExit("torch has no oneDNN here: nothing to compare")

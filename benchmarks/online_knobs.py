@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from speculation.bench.runner import emit_json, environment
     from speculation.config import EngineConfig, SamplingConfig
     from speculation.drafters import build_drafter, resolve_methods
-    from speculation.engine import generate_speculative
+    from speculation.engine.solo import generate_speculative
 
     if args.heldout >= args.requests:
         raise SystemExit(f"--heldout {args.heldout} must be below --requests {args.requests}")

@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     from speculation import assets
     from speculation.bench.runner import emit_json, environment, median_call_s
     from speculation.config import EngineConfig, SamplingConfig
-    from speculation.engine import generate_vanilla
-    from speculation.output_head import TransposedHead
-    from speculation.target import TargetModel
+    from speculation.engine.solo import generate_vanilla
+    from speculation.model.output_head import TransposedHead
+    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
     loaded = model.get_output_embeddings()  # packed for oneDNN where torch has it (the other

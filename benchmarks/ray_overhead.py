@@ -42,8 +42,9 @@ from speculation.bench.runner import environment  # noqa: E402
 from speculation.bench.verify_curve import random_tree  # noqa: E402
 from speculation.config import EngineConfig  # noqa: E402
 from speculation.drafters import build_drafter, resolve_methods  # noqa: E402
-from speculation.engine import TargetBackend, generate_speculative, generate_vanilla  # noqa: E402
-from speculation.target import TargetModel  # noqa: E402
+from speculation.engine.sequence import TargetBackend  # noqa: E402
+from speculation.engine.solo import generate_speculative, generate_vanilla  # noqa: E402
+from speculation.model.target import TargetModel  # noqa: E402
 
 PROMPTS = (
     "Repeat the following list three times: red, green, blue, yellow, purple.",

@@ -502,7 +502,7 @@ def render_decode_profile(res: dict) -> list[str]:
              f"{_f(res['profiled_wall_ms_per_step'], 1)} ms.", ""]
     if res.get("lean_forward") is not None:
         lines += [f"Target forward: {'the lean decoder loop' if res['lean_forward'] else 'transformers'} "
-                  "(`speculation/lean_forward.py`).", ""]
+                  "(`speculation/model/lean_forward.py`).", ""]
     if res.get("baseline"):
         b = res["baseline"]
         name = b.get("name", "unfused")

@@ -217,7 +217,7 @@ def offline_baseline(serve_config: str, dataset: str, n_prompts: int, clients: i
 
     Same model, dtype, method and batch options as the server (read from ``serve_config``), the
     same first ``n_prompts`` first turns, greedy, ``max_tokens`` each; closed-loop clients over
-    :class:`~speculation.engine.BatchEngine` in this process (``run_concurrency``). It runs after
+    :class:`~speculation.engine.batch.BatchEngine` in this process (``run_concurrency``). It runs after
     the server has stopped, so the two never share the cores. ``torch_threads``: the replica's
     (``GET /health``), so both runs compute with the same number of threads.
     """
@@ -229,7 +229,7 @@ def offline_baseline(serve_config: str, dataset: str, n_prompts: int, clients: i
     from speculation import assets
     from speculation.bench.runner import run_concurrency
     from speculation.config import BenchConfig, SamplingConfig
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     cfg = load_serve_config(serve_config, sets or [])
     questions = assets.load_questions(dataset)[: max(n_prompts, clients)]

@@ -23,7 +23,7 @@ from adaptation.features import FeatureCache
 from adaptation.specblock_loss import block_forward
 from speculation import assets
 from speculation.drafters.checkpoint import SPECBLOCK, TargetFingerprint, load_checkpoint
-from speculation.target import TargetModel
+from speculation.model.target import TargetModel
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,11 @@
-"""``RayTargetBackend``: the :class:`~speculation.engine.TargetBackend` protocol over shard actors.
+"""``RayTargetBackend``: the :class:`~speculation.engine.sequence.TargetBackend` protocol over shard actors.
 
 It satisfies the protocol structurally with ``RayTargetState`` as its state type, like
-:class:`~speculation.target.TargetModel` does with ``TargetState``. The decode loops call
+:class:`~speculation.model.target.TargetModel` does with ``TargetState``. The decode loops call
 ``release`` when a sequence ends, which frees its KV caches on every shard (an LRU bound of
 ``topology.max_sequences`` live sequences per shard remains as a backstop).
 
-The decode loop in ``speculation/engine.py`` runs unchanged on this backend. Each call becomes
+The decode loop in ``speculation/engine/`` runs unchanged on this backend. Each call becomes
 one pipeline pass: the coordinator submits ``forward`` to every shard in order, handing shard k's
 output *reference* to shard k+1 (Ray moves the hidden states between the actors directly, not
 through the coordinator), and waits only for the last shard's logits and the aux parts.
@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from speculation.target import TargetModel, TreeForward, default_aux_layers, prompt_chunks
-from speculation.tree import DraftTree, NodeSource
+from speculation.model.target import TargetModel, TreeForward, default_aux_layers
+from speculation.model.tree_attention import prompt_chunks
+from speculation.spec.tree import DraftTree, NodeSource
 from workers.shard import StepInput, StepKind, TargetInfo
 from workers.wire import WireTensor
 
@@ -62,7 +63,7 @@ def wait_pipeline(refs_by_shard: Sequence[Sequence], timeout_s: float, what: str
 class RayTargetState:
     """Per-sequence handle: the KV caches live in the shards under ``seq_id``.
 
-    Attributes mirror :class:`~speculation.target.TargetState` (``length``, ``tokens``), so code
+    Attributes mirror :class:`~speculation.model.target.TargetState` (``length``, ``tokens``), so code
     that reads them works on either backend.
     """
 

@@ -1,16 +1,16 @@
 """``RayBatchTarget``: continuous batching over pipeline-sharded target actors, with shard-fault recovery.
 
-It implements the slot API of :class:`~speculation.target.TargetModel` that
-:class:`~speculation.engine.BatchEngine` drives (``new_slot_pool``, ``prefill_slot``,
+It implements the slot API of :class:`~speculation.model.target.TargetModel` that
+:class:`~speculation.engine.batch.BatchEngine` drives (``new_slot_pool``, ``prefill_slot``,
 ``verify_batch``, ``commit_slot``, ``release_slot``, ``check_fits``, ``tokenizer``, ``device``), so
 ``BatchEngine(RayBatchTarget(...), ...)`` runs unchanged; it also keeps the batch-1
-:class:`~speculation.engine.TargetBackend` methods of :class:`~cluster.backend.RayTargetBackend`
+:class:`~speculation.engine.sequence.TargetBackend` methods of :class:`~cluster.backend.RayTargetBackend`
 (solo references, ``measure_cost_model``).
 
 Per engine step the coordinator sends ONE call per shard
 (:meth:`~workers.shard.TargetShard.verify_batch`) for all live sequences: slots with their own KV
 lengths, per-row positions and ancestor masks (built on the shard by the in-process helpers:
-``speculation.target.ragged_tree_inputs`` for a flat pass, ``batch_tree_attention_inputs`` for a
+``speculation.model.tree_attention.ragged_tree_inputs`` for a flat pass, ``batch_tree_attention_inputs`` for a
 padded one). Hidden states flow shard to shard as object refs (the batch's flat rows); the coordinator fetches only the last shard's logits of the valid
 rows (``[sum T_b, V]``) and the aux parts. ``commit_slot`` sends nothing: the step's KV
 compactions ride in the next call on that pool (:class:`~workers.shard.Compaction`, idempotent).
@@ -54,8 +54,8 @@ import torch
 
 from cluster.backend import RayTargetBackend, ShardTimeoutError, wait_pipeline
 from speculation.config import BatchLayout
-from speculation.target import PrefillForward, TreeForward, check_step_rows, split_step_outputs
-from speculation.tree import DraftTree
+from speculation.model.target import PrefillForward, TreeForward, check_step_rows, split_step_outputs
+from speculation.spec.tree import DraftTree
 from workers.shard import (
     BatchStepInput,
     Compaction,
@@ -112,7 +112,7 @@ class ShardCallConfig:
 
 @dataclass
 class RaySlotState:
-    """A sequence in a :class:`RaySlotPool` slot (the Ray twin of :class:`~speculation.target.SlotState`).
+    """A sequence in a :class:`RaySlotPool` slot (the Ray twin of :class:`~speculation.model.target.SlotState`).
 
     Attributes:
         pool: the pool whose slot holds its KV rows on every shard.
@@ -285,7 +285,7 @@ class RayBatchTarget(RayTargetBackend):
         """ONE call per shard: every tree of ``states`` verified (as :meth:`verify_batch`) and each
         ``(state, prompt)`` of ``prefills`` prefilled into its empty slot (:meth:`empty_slot`; the
         flat layout only), or after the earlier chunks its slot holds (chunked prefill), as
-        :meth:`speculation.target.TargetModel.step_batch` does in one process. A prefilled sequence
+        :meth:`speculation.model.target.TargetModel.step_batch` does in one process. A prefilled sequence
         joins the pool's live sequences (what a re-prefill after a fault replays, chunks so far
         included) once the step succeeded."""
         import ray

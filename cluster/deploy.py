@@ -24,7 +24,7 @@ from cluster.proxy import RayDrafterProxy
 from cluster.topology import Topology
 from speculation import assets
 from speculation.config import ConfigError, DType
-from speculation.cost import measure_cost_model
+from speculation.policy.cost import measure_cost_model
 from speculation.drafters import DrafterType, MethodSpec, build_drafter
 from workers.drafter_worker import pack_drafter
 from workers.shard import ShardSpec, TargetInfo

@@ -52,7 +52,7 @@ import torch
 
 from cluster.serve_config import ServeConfig
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
-from speculation.tree import DraftTree
+from speculation.spec.tree import DraftTree
 from workers.drafter_worker import UnknownSlotError, pack_drafter
 
 log = logging.getLogger("graftblock.drafter_worker")

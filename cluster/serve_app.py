@@ -6,7 +6,7 @@ Per replica::
          ^                                                      | step() -> SequenceUpdates
          +---- per-request asyncio.Queue <-- call_soon_threadsafe +
 
-* :class:`EngineLoop`: ONE thread owns the :class:`~speculation.engine.BatchEngine`; ``add``,
+* :class:`EngineLoop`: ONE thread owns the :class:`~speculation.engine.batch.BatchEngine`; ``add``,
   ``abort`` and ``step`` are only ever called there. Requests reach it through a thread-safe
   command queue; its updates reach each request's asyncio queue through
   ``loop.call_soon_threadsafe``. A request that arrives joins the running batch at the next step.
@@ -81,8 +81,9 @@ from cluster.serve_config import DrafterPlacement, ServeConfig, serve_config_fro
 from cluster.serve_learner import ReplicaLearner, attach_learner
 from cluster.serve_shards import ShardedServeTarget, check_shardable
 from speculation.config import BatchConfig, ConfigError, SamplingConfig, from_dict
-from speculation.engine import AdmissionError, BatchEngine, FinishReason, QueueFullError, Request, SequenceUpdate
-from speculation.target import ContextLengthError
+from speculation.engine.batch import AdmissionError, BatchEngine, QueueFullError, Request, SequenceUpdate
+from speculation.engine.sequence import FinishReason
+from speculation.model.target import ContextLengthError
 
 log = logging.getLogger("graftblock.serve")
 
@@ -397,7 +398,7 @@ class OpenAIService:
 
         from speculation import assets
         from speculation.drafters import resolve_methods
-        from speculation.target import TargetModel
+        from speculation.model.target import TargetModel
 
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
@@ -426,7 +427,7 @@ class OpenAIService:
     def _build(cls, config: ServeConfig, spec: Any, batch: BatchConfig, target: Any,
                tokenizer: Any) -> "OpenAIService":
         """The drafter factory, learner, drafter worker and batched engine over ``target``."""
-        from speculation.cost import measure_cost_model
+        from speculation.policy.cost import measure_cost_model
         from speculation.drafters import build_drafter
 
         factory = None

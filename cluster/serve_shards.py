@@ -4,7 +4,7 @@
 (a placement group of ``N x {CPU: shard_cpus}`` plus its drafter bundle, shards restartable with
 ``shard_max_restarts``, named ``<replica>-shard-<k>``) and wraps them in
 :class:`~cluster.batch_backend.RayBatchTarget`, the slot API the replica's
-:class:`~speculation.engine.BatchEngine` drives unchanged: one call per shard per engine step for
+:class:`~speculation.engine.batch.BatchEngine` drives unchanged: one call per shard per engine step for
 every live sequence. A shard that Ray restarts gets the live sequences re-prefilled from their
 committed tokens and the step is retried (fp32 greedy: the output is the no-fault output). The
 replica shows ``status()`` in ``/health`` and calls ``shutdown()`` when it stops.

@@ -457,7 +457,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     from graftblock.cli import _load_target, _load_yaml
     from speculation.config import EngineConfig, SamplingConfig
     from speculation.drafters import build_drafter, resolve_methods
-    from speculation.engine import generate_speculative
+    from speculation.engine.solo import generate_speculative
 
     policies, stream_spec, budgets = _parse_args(args)
     turns = stream_questions(stream_spec, strict_categories=bool(args.stream))  # fail on a short phase before loading anything

@@ -66,7 +66,7 @@ def _add_tracking_args(p: argparse.ArgumentParser) -> None:
 
 def _load_target(model: str, dtype: str, device: str = "cpu", batch_invariant: bool = False):
     from speculation import assets
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     dt = DType.parse(dtype)
     model_obj, tokenizer = assets.load_model_and_tokenizer(model, dt.torch)

@@ -84,7 +84,7 @@ def method_parts(args: argparse.Namespace, target) -> Iterator[Any]:
 def generate(args: argparse.Namespace, target, spec, ids: list[int], engine):
     """``graftblock generate``: in process, or over Ray with ``--ray``."""
     from speculation.drafters import DrafterType, build_drafter
-    from speculation.engine import generate_speculative, generate_vanilla
+    from speculation.engine.solo import generate_speculative, generate_vanilla
 
     with deployment(args, target) as dep:
         if dep is None:

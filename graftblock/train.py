@@ -24,7 +24,7 @@ from adaptation.family import DrafterFamily
 from adaptation.trainer import TrainConfig, Trainer
 from speculation import assets
 from speculation.config import DType
-from speculation.target import TargetModel
+from speculation.model.target import TargetModel
 from tracking.train import MetricsSink, MlflowSink, NullSink
 
 

@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
-from speculation.fused_layers import fuse_decoder
-from speculation.output_head import onednn_available, pack_linears, use_transposed_head
+from speculation.model.fused_layers import fuse_decoder
+from speculation.model.output_head import onednn_available, pack_linears, use_transposed_head
 
 if TYPE_CHECKING:  # pragma: no cover - imported lazily at run time (slow import)
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -644,10 +644,10 @@ def load_model(
 ) -> "PreTrainedModel":
     """Load a causal LM in eval mode with SDPA attention (see :func:`resolve_model` for ``name``),
     its sibling projections grouped and RMS norms fused
-    (:func:`~speculation.fused_layers.fuse_decoder`) and its other linear layers packed for oneDNN
-    where torch has it (:func:`~speculation.output_head.pack_linears`: decode steps and verify
+    (:func:`~speculation.model.fused_layers.fuse_decoder`) and its other linear layers packed for oneDNN
+    where torch has it (:func:`~speculation.model.output_head.pack_linears`: decode steps and verify
     passes run on the CPU's fast GEMM kernels), else its output head stored transposed
-    (:func:`~speculation.output_head.use_transposed_head`).
+    (:func:`~speculation.model.output_head.use_transposed_head`).
 
     ``layers``: keep only these decoder layers (a pipeline shard's range); the others are
     replaced by empty modules, so kept layers keep their indices and the rest of the weights are

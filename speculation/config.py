@@ -116,7 +116,7 @@ class RetrievalConfig:
     transition_width: int = 2
     """Children per node when expanding from the transition table. Range [1, transition_topk]."""
     cost_aware: bool = True
-    """Cut each tree to the size the measured verify curve c(T) favours (see speculation.cost)."""
+    """Cut each tree to the size the measured verify curve c(T) favours (see speculation.policy.cost)."""
     datastore: str | None = None
     """Optional path to a corpus datastore (a .npy of token ids) matched like REST."""
     datastore_match_len: int = 8
@@ -515,7 +515,7 @@ class BenchConfig:
     """torch intra-op threads (None = leave torch's default). Range [1, 256]."""
     batch_invariant: bool = False
     """Run the target's products in row groups within each kernel's invariant limit
-    (:class:`~speculation.target.TargetModel`'s ``batch_invariant``)."""
+    (:class:`~speculation.model.target.TargetModel`'s ``batch_invariant``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_invariant, bool):
@@ -746,7 +746,7 @@ TREE_DRAFTER_CONFIGS: dict[str, type] = {"eagle3": Eagle3Config, "specblock": Sp
 
 @dataclass(frozen=True)
 class BatchConfig:
-    """Continuous batching (:class:`speculation.engine.BatchEngine`): KV slots and the step budget.
+    """Continuous batching (:class:`speculation.engine.batch.BatchEngine`): KV slots and the step budget.
 
     Memory is bounded up front: the KV pool holds ``max_sequences`` slots of
     ``max_tokens_per_sequence`` rows each (per layer ``2 * S * L * kv_heads * head_dim`` values).
@@ -767,11 +767,11 @@ class BatchConfig:
     verifies at least its root). Range [max_sequences, 1048576]."""
     goodput: bool = False
     """Split the step's tree-token budget across sequences with the goodput rule
-    (:mod:`speculation.goodput`) instead of giving every sequence its full tree."""
+    (:mod:`speculation.policy.goodput`) instead of giving every sequence its full tree."""
     payoff_veto: bool = False
     """With ``goodput``: sit out the steps the rule would draft while the engine's drafted steps
     have realised fewer tokens per second than its plain ones
-    (:class:`~speculation.goodput.RealisedPayoff`), re-testing at doubling spacing. Off by
+    (:class:`~speculation.policy.goodput.RealisedPayoff`), re-testing at doubling spacing. Off by
     default: in two interleaved A/Bs (bf16, retrieval, N = 4 and 8) it won 5 of 6 pairs, then
     4 of 8 with a median of 0.96x at N = 4, where it kept out drafting that paid
     (``benchmarks/results/payoff_veto_bf16.json``)."""

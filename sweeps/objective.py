@@ -168,7 +168,7 @@ def load_target(bench: BenchConfig):
     import torch
 
     from speculation import assets
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     if bench.threads is not None:
         torch.set_num_threads(bench.threads)

@@ -39,7 +39,7 @@ def smol_fp32():
     import torch
 
     from speculation import assets
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer("smollm2-135m", torch.float32)
     return TargetModel(model, tok)
@@ -51,7 +51,7 @@ def spec_bench_refs(smol_fp32):
     chat-templated, with their vanilla greedy fp32 continuations of 64 tokens."""
     from speculation import assets
     from speculation.config import EngineConfig, SamplingConfig
-    from speculation.engine import generate_vanilla
+    from speculation.engine.solo import generate_vanilla
 
     questions = assets.load_questions("spec_bench", limit_per_category=1)  # packaged with the code
     questions = sorted(questions, key=lambda q: q.category in _MT_BENCH)

@@ -1,7 +1,7 @@
 """Test helpers shared by several test modules (import with ``from tests.helpers import ...``).
 
 * :func:`tiny_llama` (:func:`shared_tiny_llama`: built once and cached) / :func:`tiny_target`: a 4-layer random Llama (fp32, sdpa) and its
-  :class:`~speculation.target.TargetModel` with aux layers (1, 2, 3);
+  :class:`~speculation.model.target.TargetModel` with aux layers (1, 2, 3);
 * :func:`tiny_tokenizer`: a word-level tokenizer for the tiny models (saved with them);
 * :func:`full_logits`: plain no-cache forward, the reference for exactness checks;
 * :class:`RandomTreeDrafter`: random multi-branch trees from the drafter's own seeded RNG;
@@ -23,8 +23,8 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome  # noqa: E402
-from speculation.target import TargetModel  # noqa: E402
-from speculation.tree import DraftTree, NodeSource  # noqa: E402
+from speculation.model.target import TargetModel  # noqa: E402
+from speculation.spec.tree import DraftTree, NodeSource  # noqa: E402
 
 TINY_AUX_LAYERS = (1, 2, 3)
 
@@ -69,8 +69,8 @@ def tiny_llama(
     model.generation_config.eos_token_id = eos_token_id
     model = model.eval()
     if lean:
-        from speculation.fused_layers import fuse_decoder
-        from speculation.output_head import pack_linears
+        from speculation.model.fused_layers import fuse_decoder
+        from speculation.model.output_head import pack_linears
 
         fuse_decoder(model)
         pack_linears(model)
@@ -255,7 +255,7 @@ def assert_lossless_on_refs(target: TargetModel, drafter, refs, max_new_tokens: 
     """
     import dataclasses
 
-    from speculation.engine import generate_speculative
+    from speculation.engine.solo import generate_speculative
 
     cfg, prompts, expected = refs
     if max_new_tokens is not None:

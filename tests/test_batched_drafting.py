@@ -5,7 +5,7 @@ the sequences of a batch that share the network, on a tiny random Llama in fp32.
   parents, scores within 1e-5) for EAGLE-3 and SpecBlock, with contexts of different lengths,
   over several steps (incremental encodes of different sizes) and with per-row prune rules
   (Graft's dynamic depth: rows stop at different levels).
-* Through :class:`~speculation.engine.BatchEngine` (staggered arrivals, more requests than slots)
+* Through :class:`~speculation.engine.batch.BatchEngine` (staggered arrivals, more requests than slots)
   fp32 greedy output equals each request's solo vanilla output for EAGLE-3, SpecBlock and
   Graft-over-SpecBlock; the network's own forward counter (``forward_calls``, incremented in the
   drafter code) grows per step by the forwards of ONE sequence's proposal, not by the sum over
@@ -17,14 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculation import verify as V
+from speculation.spec import verify as V
 from speculation.config import BatchConfig, Eagle3Config, EngineConfig, GraftConfig, SamplingConfig, SpecBlockConfig
-from speculation.cost import measure_cost_model
+from speculation.policy.cost import measure_cost_model
 from speculation.drafters.base import BatchDrafter, BatchStagedDrafter, DraftContext, StepOutcome, propose_many
 from speculation.drafters.eagle3 import Eagle3Drafter, build_eagle3_drafter
 from speculation.drafters.graft import GraftDrafter, build_graft_drafter
 from speculation.drafters.specblock import SpecBlockDrafter, build_specblock_drafter
-from speculation.engine import BatchEngine, Request, generate_vanilla
+from speculation.engine.batch import BatchEngine, Request
+from speculation.engine.solo import generate_vanilla
 from tests.helpers import shared_tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

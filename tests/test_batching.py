@@ -1,4 +1,4 @@
-"""Continuous batching (:class:`speculation.engine.BatchEngine`) on a tiny random Llama.
+"""Continuous batching (:class:`speculation.engine.batch.BatchEngine`) on a tiny random Llama.
 
 * fp32 greedy: every sequence's output under batching (different prompt lengths, staggered
   arrivals, different max tokens, EOS mid-batch, more requests than slots) equals its own solo
@@ -22,16 +22,10 @@ import torch
 from speculation.config import BatchConfig, ConfigError, EngineConfig, RetrievalConfig, SamplingConfig
 from speculation.drafters.base import Proposal
 from speculation.drafters.retrieval import RetrievalDrafter
-from speculation.engine import (
-    AdmissionError,
-    BatchEngine,
-    FinishReason,
-    QueueFullError,
-    Request,
-    generate_speculative,
-    generate_vanilla,
-)
-from speculation.tree import DraftTree, NodeSource
+from speculation.engine.batch import AdmissionError, BatchEngine, QueueFullError, Request
+from speculation.engine.sequence import FinishReason
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.spec.tree import DraftTree, NodeSource
 from tests.helpers import (
     GreedyOracleDrafter,
     RandomTreeDrafter,
@@ -399,7 +393,7 @@ def test_eos_and_stop_ids_mid_batch():
 def test_verify_batch_matches_solo_verify(layout):
     """One batched forward over trees of different sizes after different KV lengths gives each
     tree the logits of its own solo verify (to fp32 rounding), and commits the right rows."""
-    from speculation.tree import DraftTree
+    from speculation.spec.tree import DraftTree
     from tests.helpers import random_tree
     import random
 
@@ -577,7 +571,7 @@ def test_kv_memory_is_bounded_by_the_config():
 
 # ---------------------------------------------------------------------------- goodput rule
 def test_split_budget_gives_drafts_where_they_pay():
-    from speculation.goodput import BatchCostModel, split_budget
+    from speculation.policy.goodput import BatchCostModel, split_budget
 
     # ~0.01 s per padded query position, whatever the batch size
     cheap = BatchCostModel({64: {1: {1: 1.0, 100: 2.0}, 4: {1: 1.0, 100: 2.0}}})
@@ -595,7 +589,7 @@ def test_split_budget_gives_drafts_where_they_pay():
 
 def test_split_budget_prices_the_padded_rows_not_the_real_tokens():
     """c(B, t, L) is paid for B rows of t positions: one sequence's deep tree makes every row deep."""
-    from speculation.goodput import BatchCostModel, split_budget
+    from speculation.policy.goodput import BatchCostModel, split_budget
 
     linear = BatchCostModel({64: {4: {1: 0.4, 16: 6.4}}})  # 0.1 s per padded position at B = 4
     one_good = [[0.5] * 8, [], [], []]
@@ -611,7 +605,7 @@ def test_split_budget_prices_a_flat_batch_by_its_real_tokens():
     step verifies, c(B, 1 + D/B, mean L): one sequence's deep tree no longer makes every row deep,
     and for each D the D best q's over all sequences are taken."""
     from speculation.config import BatchLayout
-    from speculation.goodput import BatchCostModel, split_budget
+    from speculation.policy.goodput import BatchCostModel, split_budget
 
     grid = {64: {4: {1: 0.4, 16: 6.4}}}  # 0.1 s per query position at B = 4, as in the padded test
     one_good = [[0.5] * 8, [], [], []]
@@ -640,7 +634,7 @@ def test_split_budget_prices_the_host_overhead_of_verifying_drafts():
     trees, row moves, the drafters' observation): priced for every candidate with a draft node,
     it turns a marginal draft off; the engine measures it (HostOverhead)."""
     from speculation.config import BatchLayout
-    from speculation.goodput import BatchCostModel, HostOverhead, split_budget
+    from speculation.policy.goodput import BatchCostModel, HostOverhead, split_budget
 
     free = BatchCostModel({64: {8: {1: 0.060, 2: 0.062}}}, layout=BatchLayout.FLAT)  # drafts nearly free
     q = [[0.2]] + [[]] * 7  # one sequence, one node at 20%
@@ -662,7 +656,7 @@ def test_split_budget_prices_the_host_overhead_of_verifying_drafts():
 def test_gain_correction_scales_estimates_by_realised_over_expected_gains():
     """The gain side's correction: 1 until a drafted step is seen, then the ratio of the EMAs of
     realised and expected accepted draft nodes (clipped), applied as min(1, g q) in rank order."""
-    from speculation.goodput import GainCorrection
+    from speculation.policy.goodput import GainCorrection
 
     g = GainCorrection(decay=0.5)
     assert g.factor == 1.0 and g.scale([0.9, 0.5]) == [0.9, 0.5]
@@ -694,7 +688,7 @@ def test_goodput_engine_learns_that_rejected_drafts_do_not_pay():
     correction's clip, so the measured host seconds (drafting, verify overhead) stay small beside
     it and the verdicts do not hang on how loaded the machine is. That also overprices the
     vanilla step, which is what once let probes that accepted nothing read as paid."""
-    from speculation.goodput import BatchCostModel, GainCorrection
+    from speculation.policy.goodput import BatchCostModel, GainCorrection
 
     target = tiny_target(_model())
     grid = BatchCostModel({8: {1: {1: 0.05, 64: 0.10}, 4: {1: 0.05, 64: 0.10}}})
@@ -720,7 +714,7 @@ def test_goodput_engine_learns_that_rejected_drafts_do_not_pay():
 
 
 def test_split_budget_prices_the_context_and_the_correction():
-    from speculation.goodput import BatchCostModel, CostCorrection, split_budget
+    from speculation.policy.goodput import BatchCostModel, CostCorrection, split_budget
 
     # drafts are nearly free over 64 committed tokens, 16x dearer over 512 (attention over the context)
     cost = BatchCostModel({64: {1: {1: 1.0, 16: 1.15}}, 512: {1: {1: 1.0, 16: 16.0}}})
@@ -747,7 +741,7 @@ def test_split_budget_prices_the_context_and_the_correction():
 @pytest.mark.parametrize("kind", ["cheap", "dear"])
 def test_goodput_engine_is_exact_and_reports_the_split(kind, layout):
     from speculation.config import BatchLayout
-    from speculation.goodput import BatchCostModel
+    from speculation.policy.goodput import BatchCostModel
 
     model = _model(layout)
     target = tiny_target(model)
@@ -788,7 +782,7 @@ def test_goodput_skips_drafting_when_no_draft_node_can_pay():
     """A curve where one draft position quintuples the step: the rule's pre-drafting check finds
     nothing can pay, so the retrieval drafters never propose (they skip), every step verifies roots
     alone, and every output equals solo vanilla."""
-    from speculation.goodput import BatchCostModel
+    from speculation.policy.goodput import BatchCostModel
 
     target = tiny_target(_model())
     dear = BatchCostModel({8: {1: {1: 1.0, 2: 5.0}, 4: {1: 1.0, 2: 5.0}}})
@@ -828,7 +822,7 @@ def test_goodput_skips_drafters_that_propose_nothing_and_probes_them_with_backof
     every step: the pre-drafting check prices each sequence's expected tree (an EMA of what it
     proposed), skips, and re-measures with probes whose spacing doubles (2, 3, 5, 9, ... steps)
     while they verify nothing. Without the estimate it would be called on every step."""
-    from speculation.goodput import BatchCostModel
+    from speculation.policy.goodput import BatchCostModel
 
     target = tiny_target(_model())
     cheap = BatchCostModel({8: {1: {1: 1.0, 64: 1.5}, 4: {1: 1.0, 64: 1.5}}})
@@ -865,7 +859,7 @@ def test_goodput_charges_drafting_to_the_trees_and_steps_aside_when_it_costs_mor
     vanilla split that would not draft. A drafter whose drafting costs several forwards (30 ms
     against a 5 ms step) drafts on the first step, then only on probes whose spacing grows, while
     the same engine with free drafting drafts on most steps; outputs equal solo vanilla."""
-    from speculation.goodput import BatchCostModel
+    from speculation.policy.goodput import BatchCostModel
 
     target = tiny_target(_model())
     fast = BatchCostModel({8: {1: {1: 0.005, 64: 0.0075}, 4: {1: 0.005, 64: 0.0075}}})
@@ -896,7 +890,7 @@ def test_goodput_opens_ranks_by_doubling_and_new_sequences_start_from_the_pool()
     """A fresh engine knows nothing about its drafter: its first step verifies one draft per tree
     (not every rank at the uninformed 1/2); ranks open 1, 3, 7, ... as they are verified, and a
     request that joins later starts from the pooled estimate instead of from scratch."""
-    from speculation.goodput import BatchCostModel, exploration_cap
+    from speculation.policy.goodput import BatchCostModel, exploration_cap
 
     assert [exploration_cap(e) for e in (0, 1, 3, 7)] == [1, 3, 7, 15]
     target = tiny_target(_model())
@@ -917,7 +911,7 @@ def test_goodput_opens_ranks_by_doubling_and_new_sequences_start_from_the_pool()
 
 
 def test_measure_batch_cost_on_the_target():
-    from speculation.goodput import measure_batch_cost
+    from speculation.policy.goodput import measure_batch_cost
 
     target = tiny_target(_model())
     cost = measure_batch_cost(target, [1, 2], row_tokens=(1, 4), contexts=(8, 16), repeats=1)
@@ -951,7 +945,7 @@ def test_smollm2_batched_equals_solo_vanilla(smol_fp32):
 def test_realised_payoff_compares_drafted_and_plain_steps_at_the_grids_vanilla_rate():
     """rho = (tokens / seconds) / (B / c(B, 1, L)) per step, EMAs per kind; LOSES only once both
     kinds were seen min_steps times and drafted steps realised less."""
-    from speculation.goodput import RealisedPayoff
+    from speculation.policy.goodput import RealisedPayoff
 
     p = RealisedPayoff(decay=0.5, min_steps=2)
     p.observe(True, tokens=10, seconds=0.1, vanilla_s=0.05, batch=8)  # 100 tok/s against 160: rho 0.625
@@ -1024,7 +1018,7 @@ def test_goodput_vetoes_drafting_that_realises_less_than_plain_steps_and_retests
     realised fewer tokens per second than plain ones, the engine vetoes the rule's drafting
     (sits out) and re-tests it at doubling spacing; the same engine without the delay keeps
     drafting. Outputs equal solo vanilla either way."""
-    from speculation.goodput import BatchCostModel
+    from speculation.policy.goodput import BatchCostModel
 
     target = tiny_target(_model())
     flat = BatchCostModel({8: {1: {1: 0.004, 64: 0.0042}, 4: {1: 0.004, 64: 0.0042}}})  # trees look free

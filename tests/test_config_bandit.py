@@ -29,7 +29,7 @@ from adaptation.config_bandit import (
 from graftblock.adapt import StreamSpec, stream_questions
 from speculation.config import ConfigError, EngineConfig, SamplingConfig
 from speculation.drafters import build_drafter
-from speculation.engine import generate_speculative
+from speculation.engine.solo import generate_speculative
 from tests.helpers import shared_tiny_llama, tiny_target
 from tests.ray_fixtures import tiny_model_dir  # noqa: F401
 

@@ -26,8 +26,8 @@ from speculation.drafters.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from speculation.engine import generate_speculative, generate_vanilla
-from speculation.tree import NodeSource
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.spec.tree import NodeSource
 from tests.helpers import shared_tiny_llama, tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -13,9 +13,9 @@ import pytest
 from speculation.config import ConfigError, EngineConfig, RetrievalConfig, SamplingConfig, from_dict
 from speculation.drafters.base import DraftContext, Proposal
 from speculation.drafters.retrieval import RetrievalDrafter
-from speculation.engine import generate_speculative, generate_vanilla
-from speculation.target import ContextLengthError
-from speculation.tree import DraftTree
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.model.target import ContextLengthError
+from speculation.spec.tree import DraftTree
 from tests.helpers import RandomTreeDrafter, tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -214,7 +214,7 @@ def test_dtype_parse_accepts_members_aliases_and_rejects_others():
 
 def test_generation_releases_the_sequence_even_when_a_step_fails():
     """Both loops release the target's sequence (its KV cache) when generation ends, normally or not."""
-    from speculation.target import ReleasedSequenceError
+    from speculation.model.target import ReleasedSequenceError
 
     target = tiny_target(_model())
     released = []

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 
 from speculation.config import EngineConfig, RetrievalConfig, SamplingConfig
-from speculation.cost import VerifyCostModel
+from speculation.policy.cost import VerifyCostModel
 from speculation.drafters.base import DraftContext, Drafter
 from speculation.drafters.retrieval import RetrievalDrafter
-from speculation.engine import generate_speculative, generate_vanilla
-from speculation.target import TargetModel
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.model.target import TargetModel
 from tests.helpers import GreedyOracleDrafter, RandomTreeDrafter, shared_tiny_llama, tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -185,7 +185,7 @@ def test_the_solo_loop_prices_every_verify_into_a_measured_curve():
     measured, and the corrected curve is what the next tree is cut by; output stays exact."""
     import dataclasses
 
-    from speculation.cost import OnlineCostModel
+    from speculation.policy.cost import OnlineCostModel
 
     model = _model()
     target = tiny_target(model)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from speculation import assets
-from speculation.fused_layers import FusedRMSNorm, GroupedProjection, fuse_decoder
-from speculation.output_head import onednn_available, pack_linears
+from speculation.model.fused_layers import FusedRMSNorm, GroupedProjection, fuse_decoder
+from speculation.model.output_head import onednn_available, pack_linears
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch has no oneDNN on this platform")
 

@@ -25,7 +25,7 @@ from speculation.config import (
     SamplingConfig,
     to_dict,
 )
-from speculation.cost import RankAcceptance, VerifyCostModel, measure_cost_model
+from speculation.policy.cost import RankAcceptance, VerifyCostModel, measure_cost_model
 from speculation.drafters import build_drafter, resolve_methods
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome
 from speculation.drafters.eagle3 import Eagle3Drafter
@@ -41,8 +41,8 @@ from speculation.drafters.graft import (
 )
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import SpecBlockDrafter
-from speculation.engine import generate_speculative, generate_vanilla
-from speculation.tree import ROOT, DraftTree, NodeSource
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.spec.tree import ROOT, DraftTree, NodeSource
 from tests.helpers import RecordingDrafter, assert_lossless_on_refs, shared_tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

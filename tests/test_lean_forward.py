@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from speculation import assets
-from speculation.lean_forward import LeanDecoder
-from speculation.output_head import onednn_available
-from speculation.target import TargetModel
-from speculation.tree import DraftTree, NodeSource
+from speculation.model.lean_forward import LeanDecoder
+from speculation.model.output_head import onednn_available
+from speculation.model.target import TargetModel
+from speculation.spec.tree import DraftTree, NodeSource
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch has no oneDNN on this platform")
 
@@ -47,7 +47,7 @@ def _load(dtype, request) -> tuple:
 def test_lean_passes_equal_the_transformers_forward_bit_for_bit(dtype, request):
     """Multi-token passes (prefill, tree verify, after a commit that moves rows) are transformers'
     forward bit for bit; single-token passes (decode, a root-only tree) run every GEMM on two rows
-    where the one-row kernel sums differently (:class:`speculation.lean_forward.PackedGemm`, for
+    where the one-row kernel sums differently (:class:`speculation.model.lean_forward.PackedGemm`, for
     batch invariance), so they equal it to rounding."""
     model, tok = _load(dtype, request)
     lean, plain = _twins(model, tok)
@@ -113,7 +113,7 @@ def _gemms_batch_invariant(model) -> bool:
     64 rows, for each projection shape of ``model`` (a property of the CPU's kernels: true on the
     AVX2 host of BENCHMARKS.md; a one-row product that differs is run on two rows, see
     ``lean_forward.PackedGemm``)."""
-    from speculation.lean_forward import LeanDecoder
+    from speculation.model.lean_forward import LeanDecoder
 
     lean = LeanDecoder.from_model(model)
     layer = next(iter(lean.layers.layers.values()))
@@ -299,7 +299,7 @@ def test_the_lean_loop_is_used_only_where_the_model_qualifies_and_autograd_is_of
 def test_greedy_decoding_through_the_lean_loop_matches_transformers_generate(smol_fp32):
     """The lean target's vanilla greedy tokens are transformers' own ``generate`` tokens."""
     from speculation.config import EngineConfig, SamplingConfig
-    from speculation.engine import generate_vanilla
+    from speculation.engine.solo import generate_vanilla
 
     prompt = assets.encode_turn(smol_fp32.tokenizer, [], "Write a haiku about autumn rain.")
     greedy = EngineConfig(max_new_tokens=32, stop_at_eos=False, sampling=SamplingConfig(temperature=0.0))
@@ -354,7 +354,7 @@ def test_a_single_half_precision_query_attends_in_fp32(dtype):
 
     import torch.nn.functional as F
 
-    from speculation.lean_forward import LeanLayers
+    from speculation.model.lean_forward import LeanLayers
 
     layers = types.SimpleNamespace(scaling=0.125, num_heads=9, num_kv_heads=3, widen_single_query=True)
     gen = torch.Generator().manual_seed(1)

@@ -35,7 +35,7 @@ from adaptation.rollback import HEAD_KEY, GuardConfig, GuardMode, shuffled_head
 from speculation.config import ConfigError, EngineConfig, Eagle3Config, SamplingConfig, SpecBlockConfig
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.specblock import build_specblock_drafter
-from speculation.engine import generate_speculative, generate_vanilla
+from speculation.engine.solo import generate_speculative, generate_vanilla
 from tests.helpers import shared_tiny_llama, tiny_target
 from tests.ray_fixtures import ray_local, tiny_model_dir  # noqa: F401
 

@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from speculation import assets
-from speculation.output_head import PackedLinear, TransposedHead, onednn_available, pack_linears, use_transposed_head
+from speculation.model.output_head import (
+    PackedLinear,
+    TransposedHead,
+    onednn_available,
+    pack_linears,
+    use_transposed_head,
+)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch has no oneDNN on this platform")
 

@@ -26,7 +26,7 @@ from cluster.deploy import ClusterResourceError, RayDeployment
 from cluster.topology import Topology
 from speculation.config import ConfigError, EngineConfig
 from speculation.drafters import build_drafter, resolve_methods
-from speculation.engine import generate_speculative, generate_vanilla
+from speculation.engine.solo import generate_speculative, generate_vanilla
 from tests.helpers import TINY_AUX_LAYERS, GreedyOracleDrafter, single_thread, tiny_target
 from tests.ray_fixtures import ray_local, tiny_model_dir  # noqa: F401  (fixtures)
 from workers.drafter_worker import WeightsNotSupportedError
@@ -180,7 +180,7 @@ class _LinearDrafter:
 
     def propose(self, ctx):
         from speculation.drafters.base import Proposal
-        from speculation.tree import DraftTree, NodeSource
+        from speculation.spec.tree import DraftTree, NodeSource
 
         tree = DraftTree(ctx.root_token)
         tree.add(0, int(self.w.weight[:, ctx.root_token].argmax()), -1.0, NodeSource.DRAFTER)
@@ -240,7 +240,7 @@ def test_smollm2_two_shards_equal_single_process(ray_local):  # noqa: F811
     """Real weights: 2 shards over Ray reproduce the in-process engine (fp32, 2 prompts, 16 tokens),
     for the retrieval drafter and the trained EAGLE-3 and SpecBlock checkpoints."""
     from speculation import assets
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer("smollm2-135m", torch.float32)
     target = TargetModel(model, tok)

@@ -2,7 +2,7 @@
 
 Real Ray (the shared session cluster), two real :class:`~workers.shard.TargetShard` actors over the
 tiny random Llama (fp32, layers [0, 2) and [2, 4)), driven by the unchanged
-:class:`~speculation.engine.BatchEngine`:
+:class:`~speculation.engine.batch.BatchEngine`:
 
 * staggered arrivals, different prompt lengths and max tokens: every sequence equals its own solo
   in-process vanilla output, for vanilla and the retrieval drafter (which really speculates);
@@ -29,7 +29,8 @@ from cluster.backend import ShardTimeoutError
 from cluster.batch_backend import RayBatchTarget, ShardCallConfig
 from speculation.config import BatchConfig, EngineConfig, SamplingConfig
 from speculation.drafters import build_drafter, resolve_methods
-from speculation.engine import BatchEngine, Request, generate_vanilla
+from speculation.engine.batch import BatchEngine, Request
+from speculation.engine.solo import generate_vanilla
 from tests.helpers import TINY_AUX_LAYERS, random_tree, tiny_llama, tiny_target
 from tests.ray_fixtures import ray_local, tiny_model_dir  # noqa: F401  (fixtures)
 from workers.shard import BatchStepInput, Compaction, ShardSpec, StepInput, StepKind, TargetShard, make_actor_class

@@ -171,7 +171,7 @@ def test_tree_mask_positions_and_eos_are_the_target_models(n_shards):
     """For the same model and tree, layer 0 receives the same mask and positions from a shard
     pipeline as from TargetModel, and both stop at the same EOS set (generation config and
     tokenizer both count)."""
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     with single_thread():
         model = tiny_llama(eos_token_id=5)
@@ -208,7 +208,7 @@ def test_shard_loads_only_its_layer_range_through_the_one_loader(tmp_path):
     """A shard given a model directory loads it through speculation.assets (the loader every
     target uses) and keeps its layers only; its forward still equals TargetModel's."""
     from speculation import assets
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     with single_thread():
         model = tiny_llama(lm_head_scale=3.0)
@@ -233,8 +233,8 @@ def test_both_targets_satisfy_the_target_backend_protocol():
     import inspect
 
     from cluster.backend import RayTargetBackend
-    from speculation.engine import TargetBackend
-    from speculation.target import TargetModel
+    from speculation.engine.sequence import TargetBackend
+    from speculation.model.target import TargetModel
     from workers.shard import TargetInfo
 
     info = TargetInfo(num_layers=4, hidden_size=32, vocab_size=64, max_context=256, sliding_window=None,

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from speculation.config import ConfigError, RetrievalConfig
-from speculation.cost import OnlineCostModel, VerifyCostModel, online
+from speculation.policy.cost import OnlineCostModel, VerifyCostModel, online
 from speculation.drafters.base import DraftContext, StepOutcome
 from speculation.drafters.retrieval import RetrievalDrafter, SuffixArrayDatastore, SuffixIndex, TransitionTable
-from speculation.tree import DraftTree, NodeSource
+from speculation.spec.tree import DraftTree, NodeSource
 
 
 def test_suffix_index_counts_and_matches():
@@ -272,7 +272,7 @@ def test_build_drafter_measures_the_curve_only_when_none_is_given(monkeypatch):
 
 def test_measured_cost_model_is_reused_per_target():
     """c(T) is measured once per target and size (a second drafter pays nothing)."""
-    from speculation.cost import measure_cost_model
+    from speculation.policy.cost import measure_cost_model
     from tests.helpers import shared_tiny_llama, tiny_target
 
     target = tiny_target(shared_tiny_llama(vocab_size=50))

@@ -3,7 +3,7 @@
 Setup. A tiny random Llama (vocabulary 10, fixed seed) whose lm_head is scaled up (x15) so that,
 after temperature 0.8 and top-p 0.9, the next-token distributions range from flat (max prob
 ~0.26) to peaky (max prob ~0.76) and top-p truncation is active. Enumerating every continuation
-with plain full forwards and :func:`speculation.verify.target_probs` gives the EXACT
+with plain full forwards and :func:`speculation.spec.verify.target_probs` gives the EXACT
 distribution ``p*`` of the first ``K = 3`` generated tokens (about 120 sequences have mass).
 
 Each decoding loop under test (vanilla; speculative with random multi-branch trees; speculative
@@ -44,7 +44,7 @@ from collections import Counter
 import pytest
 import torch
 
-from speculation import verify as V
+from speculation.spec import verify as V
 from speculation.config import (
     Eagle3Config,
     EngineConfig,
@@ -56,10 +56,10 @@ from speculation.config import (
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import build_specblock_drafter
-from speculation.engine import generate_speculative, generate_vanilla
-from speculation.cost import VerifyCostModel
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.policy.cost import VerifyCostModel
 from speculation.drafters.graft import build_graft_drafter
-from speculation.tree import ROOT, DraftTree
+from speculation.spec.tree import ROOT, DraftTree
 from tests.helpers import RandomTreeDrafter, RecordingDrafter, full_logits, shared_tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

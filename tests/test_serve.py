@@ -38,7 +38,7 @@ import torch
 import yaml
 
 from speculation.config import EngineConfig, SamplingConfig
-from speculation.engine import generate_speculative, generate_vanilla
+from speculation.engine.solo import generate_speculative, generate_vanilla
 from tests.helpers import single_thread, tiny_llama
 from tests.ray_fixtures import RAY_TEST_ENV
 
@@ -150,7 +150,7 @@ def server(tmp_path_factory):
 def twin(server):
     """The single-process twin: the same saved model, in fp32, one torch thread."""
     from speculation import assets
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer(str(server.model_dir), torch.float32)
     return TargetModel(model, tok)
@@ -409,7 +409,7 @@ class _SlowDrafter:
 
     def propose(self, ctx):
         from speculation.drafters.base import Proposal
-        from speculation.tree import DraftTree
+        from speculation.spec.tree import DraftTree
 
         self.release.wait(self.delay_s)
         return Proposal(tree=DraftTree(ctx.root_token), drafter_forwards=0)
@@ -422,8 +422,8 @@ def _service(delay_s: float, release: threading.Event, **cfg):
     from cluster.serve_app import OpenAIService
     from cluster.serve_config import ServeConfig
     from speculation.config import BatchConfig
-    from speculation.engine import BatchEngine
-    from speculation.target import TargetModel
+    from speculation.engine.batch import BatchEngine
+    from speculation.model.target import TargetModel
 
     target = TargetModel(tiny_llama(vocab_size=VOCAB, max_position_embeddings=2048), word_tokenizer())
     config = ServeConfig(model="tiny", method="slow", max_prompt_tokens=64, max_tokens=256, mlflow=False, **cfg)

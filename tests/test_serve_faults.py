@@ -31,7 +31,7 @@ import requests
 import torch
 
 from speculation.config import EngineConfig, SamplingConfig
-from speculation.engine import generate_vanilla
+from speculation.engine.solo import generate_vanilla
 from tests.helpers import single_thread
 from tests.ray_fixtures import RAY_TEST_ENV
 from tests.test_serve import API_KEY, MODEL_NAME, Server, prompt_ids, words
@@ -86,7 +86,7 @@ import sys, time
 import ray
 from workers.drafter_worker import pack_drafter
 from speculation.drafters.base import Proposal
-from speculation.tree import DraftTree
+from speculation.spec.tree import DraftTree
 
 ray.init(address=sys.argv[1], log_to_driver=False)
 
@@ -166,7 +166,7 @@ def _vanilla(target, ids: list[int], n: int) -> list[int]:
 def env(tmp_path_factory):
     """(server, helper, vanilla references): references are computed while the server starts."""
     from speculation import assets
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     srv = WorkerServer(tmp_path_factory.mktemp("serve-faults"))
     helper = None

@@ -29,7 +29,7 @@ import requests
 import torch
 
 from speculation.config import EngineConfig, SamplingConfig
-from speculation.engine import generate_vanilla
+from speculation.engine.solo import generate_vanilla
 from tests.helpers import single_thread, tiny_llama
 from tests.ray_fixtures import ray_local  # noqa: F401
 from tests.test_serve import VOCAB, free_port, prompt_ids, word_tokenizer, words
@@ -76,7 +76,7 @@ def app(ray_local, tmp_path_factory):  # noqa: F811
 @pytest.fixture(scope="module")
 def twin(app):
     from speculation import assets
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer(str(app[2]), torch.float32)
     return TargetModel(model, tok)
@@ -233,7 +233,7 @@ def test_feedback_hook_drops_under_backpressure_and_never_changes_the_batch_outp
     from cluster.serve_learner import _StepFeedback
     from speculation.config import BatchConfig, Eagle3Config
     from speculation.drafters.eagle3 import build_eagle3_drafter
-    from speculation.engine import BatchEngine, Request
+    from speculation.engine.batch import BatchEngine, Request
     from tests.helpers import tiny_target
 
     target = tiny_target()

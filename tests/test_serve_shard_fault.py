@@ -66,7 +66,7 @@ class ShardHelper(ActorHelper):
 def env(tmp_path_factory):
     """(server, helper, vanilla references): references are computed while the server starts."""
     from speculation import assets
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     srv = ShardServer(tmp_path_factory.mktemp("serve-shards"))
     helper = None

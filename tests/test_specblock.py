@@ -30,8 +30,8 @@ from speculation.drafters.checkpoint import (
 from speculation.drafters.eagle3 import random_model as eagle3_random_model
 from speculation.drafters.specblock import PendingLeaf, SpecBlockDrafter, build_specblock_drafter, slot_widths
 from speculation.drafters.specblock_model import RankClass, rank_bucket, rank_features
-from speculation.engine import generate_speculative, generate_vanilla
-from speculation.tree import ROOT
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.spec.tree import ROOT
 from tests.helpers import shared_tiny_llama, tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

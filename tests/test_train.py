@@ -68,7 +68,7 @@ def _cfg(**kw) -> TrainConfig:
 def test_regenerate_matches_greedy_decoding():
     target, prompts, samples = _setup()
     from speculation.config import EngineConfig, SamplingConfig
-    from speculation.engine import generate_vanilla
+    from speculation.engine.solo import generate_vanilla
 
     ref = generate_vanilla(target, prompts[0], EngineConfig(max_new_tokens=40, stop_at_eos=False,
                                                             sampling=SamplingConfig())).tokens

@@ -38,7 +38,7 @@ from speculation.config import ConfigError
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome
 from speculation.drafters.checkpoint import CheckpointKind, TargetFingerprint, load_checkpoint, read_manifest
 from speculation.drafters.head import DraftVocabMixin, HeadArch, target_dims
-from speculation.tree import DraftTree, NodeSource
+from speculation.spec.tree import DraftTree, NodeSource
 from tests.helpers import interrupt_training, tiny_llama, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

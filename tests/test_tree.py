@@ -1,4 +1,4 @@
-"""Unit tests for :class:`speculation.tree.DraftTree` (construction, merging, masks, pruning)."""
+"""Unit tests for :class:`speculation.spec.tree.DraftTree` (construction, merging, masks, pruning)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculation.tree import ROOT, DraftTree, NodeSource
+from speculation.spec.tree import ROOT, DraftTree, NodeSource
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -1,5 +1,5 @@
 """The batch engine's one-call argmax and top-k over every sequence's tree rows
-(:func:`speculation.verify.batch_argmax`, :func:`~speculation.verify.batch_topk`): each tree's
+(:func:`speculation.spec.verify.batch_argmax`, :func:`~speculation.spec.verify.batch_topk`): each tree's
 result must be what a call on its own rows gives, whether the rows are views of one flat step
 output (no copy) or separate tensors (the Ray path's), including exact ties."""
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculation import verify as V
-from speculation.tree import DraftTree, NodeSource
+from speculation.spec import verify as V
+from speculation.spec.tree import DraftTree, NodeSource
 
 
 def _blocks(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

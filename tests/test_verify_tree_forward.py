@@ -1,4 +1,4 @@
-"""Property tests of the one-pass tree forward and the KV compaction in :mod:`speculation.target`.
+"""Property tests of the one-pass tree forward and the KV compaction in :mod:`speculation.model.target`.
 
 On a tiny random Llama (fp32, sdpa), for random prompts and random tree shapes:
 
@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculation.target import TargetModel
-from speculation.tree import DraftTree, NodeSource
+from speculation.model.target import TargetModel
+from speculation.spec.tree import DraftTree, NodeSource
 from tests.helpers import TINY_AUX_LAYERS, full_logits, shared_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -189,10 +189,10 @@ def test_full_logits_helper_agrees_with_reference():
 
 
 def test_reserved_kv_rows_append_in_place_and_stay_exact_past_a_regrowth():
-    """The solo cache's layers (speculation.kv_reserve) write appends into spare rows instead of
+    """The solo cache's layers (speculation.model.kv_reserve) write appends into spare rows instead of
     concatenating: the buffer is reused between appends, regrows past its capacity, survives the
     tree compaction and truncation, and every step's logits equal a fresh forward's."""
-    from speculation.kv_reserve import RESERVE_MIN_ROWS, ReservedLayer
+    from speculation.model.kv_reserve import RESERVE_MIN_ROWS, ReservedLayer
 
     target = _target()
     g = torch.Generator().manual_seed(3)

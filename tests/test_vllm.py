@@ -25,8 +25,8 @@ from speculation.drafters.checkpoint import CHECKPOINT_ROOT, TargetFingerprint, 
 from speculation.drafters.eagle3 import random_model
 from speculation.drafters.retrieval_chain import RetrievalChainProposer, best_path
 from speculation.drafters.vllm_format import TENSOR_NAMES, export_vllm_eagle3
-from speculation.engine import generate_speculative
-from speculation.tree import DraftTree, NodeSource
+from speculation.engine.solo import generate_speculative
+from speculation.spec.tree import DraftTree, NodeSource
 from speculation.bench.vllm_peers import VLLM_PYTHON, VllmMethod, VllmSession, VllmSpec, acceptance_length
 from tests.helpers import tiny_target
 

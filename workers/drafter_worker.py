@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from speculation.cost import VerifyCostModel
+from speculation.policy.cost import VerifyCostModel
 from speculation.drafters import MethodSpec, build_drafter
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome, WeightSwappable
 

@@ -3,12 +3,12 @@
 A sharded forward is the HF model's own forward cut into pieces, built from its own modules
 (``model.model.embed_tokens``, ``model.model.layers[i]``, ``model.model.rotary_emb``,
 ``model.model.norm``, ``model.lm_head``) with the same inputs the single-process
-:class:`~speculation.target.TargetModel` passes:
+:class:`~speculation.model.target.TargetModel` passes:
 
 * prefill / decode: no mask (HF's causal mask), positions ``n + arange(T)``;
 * tree verify with T > 1: the 4D boolean mask ``[1, 1, T, n + T]`` = ones over the committed
   prefix, the ancestor-or-self mask over the tree block; positions ``n + depth`` (both from
-  :func:`~speculation.target.tree_attention_inputs`, the function the in-process target uses);
+  :func:`~speculation.model.tree_attention.tree_attention_inputs`, the function the in-process target uses);
 * the causal mask is made by ``transformers.masking_utils.create_causal_mask`` sized on the
   shard's first layer (a shard's full-size ``DynamicCache`` holds only its own layers).
 
@@ -18,13 +18,13 @@ shard returns logits (``[V]`` for prefill/decode, ``[T, V]`` for a tree). Aux hi
 returned by whichever shard owns them.
 
 Continuous batching (:meth:`TargetShard.verify_batch`): the shard holds KV slot pools
-(:class:`~speculation.kv_slots.KVSlotPool` over its own layers, one per engine) and runs ONE
+(:class:`~speculation.model.kv_slots.KVSlotPool` over its own layers, one per engine) and runs ONE
 forward per step over the trees of all live sequences. Between shards the batch travels as its
 flat rows (``[1, sum T_b, H]``, row b's tokens after row b-1's, no padding). A shard whose layers
 run the lean loop runs them flat, as the in-process target does
-(:func:`~speculation.target.ragged_tree_inputs`: one pass over the real tokens, attention per row
+(:func:`~speculation.model.tree_attention.ragged_tree_inputs`: one pass over the real tokens, attention per row
 over the row's own slot); otherwise it pads the rows for transformers' layers with the 4D mask
-``[B, 1, T, L]`` and positions ``[B, T]`` of :func:`~speculation.target.batch_tree_attention_inputs`
+``[B, 1, T, L]`` and positions ``[B, T]`` of :func:`~speculation.model.tree_attention.batch_tree_attention_inputs`
 and drops the padding again. The previous step's KV compactions ride in
 the same call (:class:`Compaction`, applied first, idempotent), so the coordinator sends one call
 per shard per step. A slot's prefill is :meth:`forward`'s prefill on a scratch cache, its rows
@@ -35,7 +35,7 @@ actor (its pools are then gone; the coordinator re-prefills them).
 The class is plain Python (usable, and tested, in one process); :func:`make_actor_class` gives the
 Ray actor. Each shard loads the weights itself (through :func:`speculation.assets.load_model`, the
 one model loader) and keeps only its modules. EOS ids follow
-:func:`speculation.target.eos_token_ids`, the in-process target's rule.
+:func:`speculation.model.target.eos_token_ids`, the in-process target's rule.
 """
 
 from __future__ import annotations
@@ -53,20 +53,18 @@ import torch
 
 from speculation import assets
 from speculation.config import BatchLayout, DType
-from speculation.kv_reserve import reserve_rows
-from speculation.kv_slots import KVSlotPool
-from speculation.lean_forward import LeanLayers, PackedGemm
-from speculation.output_head import PackedLinear, packed_path_applies
-from speculation.target import (
+from speculation.model.kv_reserve import reserve_rows
+from speculation.model.kv_slots import KVSlotPool
+from speculation.model.lean_forward import LeanLayers, PackedGemm
+from speculation.model.output_head import PackedLinear, packed_path_applies
+from speculation.model.target import compact_kv, eos_token_ids, step_kept_rows
+from speculation.model.tree_attention import (
     batch_tree_attention_inputs,
     causal_positions,
-    compact_kv,
-    eos_token_ids,
     ragged_tree_inputs,
-    step_kept_rows,
     tree_attention_inputs,
 )
-from speculation.tree import TreeTensors
+from speculation.spec.tree import TreeTensors
 from workers.wire import WireTensor, to_wire
 
 
@@ -195,7 +193,7 @@ class BatchStepInput:
         return [int(t[0].shape[0]) for t in self.trees] + [int(p.shape[0]) for p in self.prompts]
 
     def kept_rows(self) -> list[int] | None:
-        """Flat indices whose logits the step returns (:func:`~speculation.target.step_kept_rows`):
+        """Flat indices whose logits the step returns (:func:`~speculation.model.target.step_kept_rows`):
         every tree node, then each prompt's last token; None when there are no prompts."""
         sizes = self.sizes()
         return step_kept_rows(sizes[: len(self.trees)], sizes[len(self.trees):])
@@ -416,7 +414,7 @@ class TargetShard:
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """This shard's decoder layers over ``hidden`` ``[B, T, H]`` with the model's own mask
         preparation (``create_causal_mask``: HF's causal mask when ``mask`` is None, a 4D mask
-        passes through), or as :class:`~speculation.lean_forward.LeanLayers` where that applies.
+        passes through), or as :class:`~speculation.model.lean_forward.LeanLayers` where that applies.
         Returns (hidden ``[B, T, H]``, {aux index: its input ``[B, T, H]``})."""
         from transformers.masking_utils import create_causal_mask
 

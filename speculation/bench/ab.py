@@ -61,7 +61,7 @@ def lean_target(ap: argparse.ArgumentParser, args: argparse.Namespace, what: str
 
     from speculation import assets
     from speculation.config import DType
-    from speculation.target import TargetModel
+    from speculation.model.target import TargetModel
 
     torch.set_num_threads(args.threads)
     target = TargetModel(*assets.load_model_and_tokenizer(args.model, DType.parse(args.dtype).torch))
@@ -123,7 +123,7 @@ class Workload:
     def solo_outputs(self) -> list[list[int]]:
         """Every prompt's solo greedy vanilla output (the ``lossless`` references)."""
         from speculation.config import EngineConfig
-        from speculation.engine import generate_vanilla
+        from speculation.engine.solo import generate_vanilla
 
         engine = EngineConfig(max_new_tokens=self.cfg.max_new_tokens, sampling=self.cfg.sampling)
         return [generate_vanilla(self.target, p, engine).tokens for p in self.prompts]

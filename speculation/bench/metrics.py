@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from speculation.engine import GenerationResult
+from speculation.engine.sequence import GenerationResult
 
 
 @dataclass

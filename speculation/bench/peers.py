@@ -17,8 +17,8 @@ import torch
 
 from speculation.bench import vllm_peers
 from speculation.config import ConfigError, SamplingConfig
-from speculation.engine import GenerationResult
-from speculation.target import TargetModel
+from speculation.engine.sequence import GenerationResult
+from speculation.model.target import TargetModel
 
 
 class Peer(str, enum.Enum):

@@ -27,8 +27,10 @@ from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedu
 from speculation.bench.peers import Peer, parse_peers, peer_stats, reset_peer_stats, run_hf_batched, run_peer
 from speculation.config import BenchConfig, EngineConfig, to_dict
 from speculation.drafters import Drafter, DrafterType, MethodSpec, Reportable, build_drafter, resolve_methods
-from speculation.engine import DraftingCheck, GenerationResult, TargetBackend, generate_speculative, generate_vanilla
-from speculation.target import TargetModel
+from speculation.engine.batch import DraftingCheck
+from speculation.engine.sequence import GenerationResult, TargetBackend
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.model.target import TargetModel
 
 BASELINE = "vanilla"
 
@@ -266,7 +268,7 @@ def run_concurrency(
     prefill_step_tokens: int | None = None,
     payoff_veto: bool = False,
 ) -> dict:
-    """Closed-loop clients over :class:`~speculation.engine.BatchEngine`, per concurrency N and method.
+    """Closed-loop clients over :class:`~speculation.engine.batch.BatchEngine`, per concurrency N and method.
 
     N clients each send one first turn, and send the next prompt of the dataset as soon as their
     request ends (the engine admits it at the next step), until every prompt is answered. Per N and
@@ -288,7 +290,7 @@ def run_concurrency(
     computed here.
     """
     from speculation.config import BatchConfig, SamplingConfig
-    from speculation.engine import BatchEngine, Request
+    from speculation.engine.batch import BatchEngine, Request
 
     names = list(cfg.methods)
     if BASELINE not in names:

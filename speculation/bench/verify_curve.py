@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from speculation.cost import measure_at_context, random_tree
-from speculation.engine import TargetBackend
+from speculation.policy.cost import measure_at_context, random_tree
+from speculation.engine.sequence import TargetBackend
 
 __all__ = ["DEFAULT_SIZES", "measure", "random_tree"]
 
@@ -27,5 +27,5 @@ def measure(
     seed: int = 0,
 ) -> dict[int, float]:
     """Median seconds of ``verify`` + ``commit`` (root kept) for each tree size in ``sizes``
-    (:func:`speculation.cost.measure_at_context`: synchronised on CUDA targets)."""
+    (:func:`speculation.policy.cost.measure_at_context`: synchronised on CUDA targets)."""
     return measure_at_context(target, sizes, context, repeats=repeats, warmup=warmup, seed=seed)

@@ -27,8 +27,8 @@ from pathlib import Path
 from speculation.config import ConfigError, DType, SamplingConfig
 from speculation.drafters.checkpoint import CHECKPOINT_ROOT, EAGLE3, TargetFingerprint, find_checkpoint
 from speculation.drafters.vllm_format import export_vllm_eagle3
-from speculation.engine import GenerationResult
-from speculation.target import TargetModel
+from speculation.engine.sequence import GenerationResult
+from speculation.model.target import TargetModel
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"

@@ -24,7 +24,7 @@ from speculation.config import (
     from_dict,
     to_dict,
 )
-from speculation.cost import VerifyCost, measure_cost_model
+from speculation.policy.cost import VerifyCost, measure_cost_model
 from speculation.drafters.base import DraftContext, Drafter, Proposal, Reportable, StepOutcome, WeightSwappable
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.graft import build_graft_drafter
@@ -129,7 +129,7 @@ def build_drafter(spec: MethodSpec, target: Any, cost_model: VerifyCost | None =
 
     A drafter whose config needs a measured verify curve (``config.verify_curve_size() > 0``)
     gets ``cost_model``; when the caller passes none, c(T) is measured on ``target`` up to that
-    size (once per target and size, see :func:`~speculation.cost.measure_cost_model`). The
+    size (once per target and size, see :func:`~speculation.policy.cost.measure_cost_model`). The
     distributed path measures over its actors and passes the model in.
     """
     if spec.type == DrafterType.VANILLA:

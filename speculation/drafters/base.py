@@ -1,7 +1,7 @@
 """The drafter protocol: one contract for retrieval, EAGLE-3, SpecBlock and Graft.
 
 Per request the decode loop calls ``begin`` once after prefill, then per step ``propose`` (a
-:class:`~speculation.tree.DraftTree` rooted at the pending root token) and, after verification,
+:class:`~speculation.spec.tree.DraftTree` rooted at the pending root token) and, after verification,
 ``observe`` with what the target accepted. ``observe`` is also the feedback record that online
 adaptation consumes, so it carries the aux hidden states at accepted positions and, when the
 drafter asks for it, the target's top-k at every verified node.
@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from speculation.tree import DraftTree
+from speculation.spec.tree import DraftTree
 
 
 @dataclass
@@ -113,7 +113,7 @@ class SkippableDrafter(Drafter, Protocol):
     """A drafter that can sit out a step.
 
     The batch engine calls :meth:`skip` instead of ``propose`` when it knows before drafting that
-    no draft node can pay this step (:class:`~speculation.engine.BatchEngine` with ``goodput``);
+    no draft node can pay this step (:class:`~speculation.engine.batch.BatchEngine` with ``goodput``);
     the step verifies the root alone and ``observe`` sees that root-only tree as usual. The next
     ``propose`` must need nothing from the skipped one (it catches up from ``ctx.tokens`` and the
     observations)."""
@@ -128,7 +128,7 @@ class VerifyTimed(Protocol):
     """A drafter that sizes its trees by a verify-cost curve and corrects that curve from live steps.
 
     The solo loop, which runs one verify per step, reports each step's measured verify seconds
-    (:class:`~speculation.cost.OnlineCostModel`). The batch engine does not: a batched forward's
+    (:class:`~speculation.policy.cost.OnlineCostModel`). The batch engine does not: a batched forward's
     seconds are not c(T) of one tree, and its goodput rule keeps its own correction."""
 
     def observe_verify(self, size: int, context: int, seconds: float) -> None:

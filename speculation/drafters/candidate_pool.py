@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculation.tree import DraftTree, NodeSource
+from speculation.spec.tree import DraftTree, NodeSource
 
 
 @dataclass

@@ -71,7 +71,7 @@ class TargetFingerprint:
 
     @classmethod
     def from_target(cls, target: Any, name: str | None = None) -> "TargetFingerprint":
-        """Fingerprint of a :class:`~speculation.target.TargetModel` (needs ``target.model``)."""
+        """Fingerprint of a :class:`~speculation.model.target.TargetModel` (needs ``target.model``)."""
         model = target.model
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         weight = model.get_input_embeddings().weight

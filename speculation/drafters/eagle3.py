@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from speculation.config import Eagle3Config
-from speculation.cost import VerifyCost
+from speculation.policy.cost import VerifyCost
 from speculation.drafters.base import StopRule
 from speculation.drafters.checkpoint import CHECKPOINT_ROOT, EAGLE3, load_for_target
 from speculation.drafters.eagle3_model import Eagle3Arch, Eagle3Model
@@ -40,7 +40,7 @@ from speculation.drafters.candidate_pool import CandidatePool
 from speculation.drafters.draft_kv import DraftKVCache, batch_view, length_mask
 from speculation.drafters.feature_pairs import FeaturePairsDrafter, count_forward, shared_network
 from speculation.drafters.head import untrained_head
-from speculation.target import TargetModel
+from speculation.model.target import TargetModel
 
 __all__ = ["CHECKPOINT_ROOT", "Eagle3Drafter", "build_eagle3_drafter", "random_model"]
 

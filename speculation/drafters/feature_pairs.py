@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from speculation.drafters.base import DraftContext, DraftResult, Proposal, StepOutcome, StopRule
 from speculation.drafters.candidate_pool import CandidatePool, build_draft_tree, select_top
-from speculation.output_head import onednn_available, pack_linears
-from speculation.tree import DraftTree
+from speculation.model.output_head import onednn_available, pack_linears
+from speculation.spec.tree import DraftTree
 
 
 _NETWORKS: weakref.WeakValueDictionary[Hashable, Any] = weakref.WeakValueDictionary()
@@ -41,7 +41,7 @@ def shared_network(model: Any) -> Any:
     class, architecture, dtype and device) and keeps nothing alive.
 
     On the CPU the network's linear layers are packed for oneDNN first
-    (:class:`~speculation.output_head.PackedLinear`; same parameters and state dict). The packed
+    (:class:`~speculation.model.output_head.PackedLinear`; same parameters and state dict). The packed
     copies follow the weights (packed again after any in-place change or copy), so a network
     that is later trained or loaded into stays correct. On the AVX2 host of BENCHMARKS.md this
     halved EAGLE-3's drafting time per step (44-50 ms to 22-27 ms, identical tokens).

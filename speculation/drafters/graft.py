@@ -66,7 +66,7 @@ from typing import Any, cast
 import torch
 
 from speculation.config import ConfigError, GraftConfig
-from speculation.cost import OnlineCostModel, RankAcceptance, VerifyCost, measure_cost_model, online
+from speculation.policy.cost import OnlineCostModel, RankAcceptance, VerifyCost, measure_cost_model, online
 from speculation.drafters.base import (
     DraftContext,
     DraftResult,
@@ -80,7 +80,7 @@ from speculation.drafters.base import (
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.retrieval import RetrievalDrafter
 from speculation.drafters.specblock import build_specblock_drafter
-from speculation.tree import ROOT, DraftTree, NodeSource
+from speculation.spec.tree import ROOT, DraftTree, NodeSource
 
 TREE_BUILDERS: dict[str, Callable[[Any, Any, VerifyCost | None], StagedDrafter]] = {
     "eagle3": build_eagle3_drafter,
@@ -508,7 +508,7 @@ class GraftDrafter:
         ``probs[i]``: node i's calibrated probability of being accepted (``probs[0]`` unused). A
         node is never rated above its parent (``p_i <- min(p_i, p_parent)``, parents come first),
         so sorting by ``(-p_i, i)`` puts every parent before its children and each prefix is
-        ancestor-closed; the kept prefix is the n of :func:`~speculation.cost.best_prefix`. Returns
+        ancestor-closed; the kept prefix is the n of :func:`~speculation.policy.cost.best_prefix`. Returns
         the cut tree and ``{old node: new node}`` (None when nothing was cut)."""
         if self.cost_model is None or not self.config.cost_cut or len(tree) <= 1:
             return tree, None
@@ -620,7 +620,7 @@ def build_graft_drafter(
     """A :class:`GraftDrafter` for an in-process target: the tree drafter of ``config.tree_type``
     (built from ``config.tree``; none when the only stage is 0) + the retrieval source.
     ``cost_model`` (c(T, L)) is used when ``config.verify_curve_size()`` is non-zero; if none is
-    given then, it is measured on ``target`` (:func:`~speculation.cost.measure_cost_model`)."""
+    given then, it is measured on ``target`` (:func:`~speculation.policy.cost.measure_cost_model`)."""
     size = config.verify_curve_size()
     if size and cost_model is None:
         cost_model = measure_cost_model(target, max_size=size)

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from speculation.config import ConfigError, RetrievalConfig
-from speculation.cost import OnlineCostModel, VerifyCost, online
+from speculation.policy.cost import OnlineCostModel, VerifyCost, online
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome
-from speculation.tree import DraftTree, NodeSource
+from speculation.spec.tree import DraftTree, NodeSource
 
 
 _TOP_CHILDREN = 4  # continuations kept per trie node, by count: the only ones ever proposed

@@ -18,7 +18,7 @@ from __future__ import annotations
 from speculation.config import ConfigError, RetrievalConfig
 from speculation.drafters.base import DraftContext, StepOutcome
 from speculation.drafters.retrieval import RetrievalDrafter
-from speculation.tree import DraftTree
+from speculation.spec.tree import DraftTree
 
 
 def best_path(tree: DraftTree, k: int) -> list[int]:

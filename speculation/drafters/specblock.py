@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from speculation.config import SpecBlockConfig
-from speculation.cost import VerifyCost
+from speculation.policy.cost import VerifyCost
 from speculation.drafters.base import Proposal, StopRule
 from speculation.drafters.checkpoint import SPECBLOCK, load_for_target
 from speculation.drafters.candidate_pool import CandidatePool
@@ -60,8 +60,8 @@ from speculation.drafters.draft_kv import DraftKVCache, batch_view, length_mask
 from speculation.drafters.feature_pairs import FeaturePairsDrafter, count_forward, shared_network
 from speculation.drafters.head import untrained_head
 from speculation.drafters.specblock_model import RankClass, SpecBlockArch, SpecBlockModel
-from speculation.target import TargetModel
-from speculation.tree import DraftTree
+from speculation.model.target import TargetModel
+from speculation.spec.tree import DraftTree
 
 SLOT0_CAPS = ((0.9, 3), (0.8, 5), (0.6, 8))
 """Adaptive width of slot 0: ``(p0 threshold, cap)``, first match wins."""

@@ -1,20 +1,5 @@
-"""The decode loop: draft -> verify -> accept -> commit -> observe; solo and continuously batched.
-
-One per-sequence step logic (:class:`_Sequence`: first token, drafting, acceptance, KV commit,
-truncation, observation, feedback, step record) serves the batch-1 loops
-(:func:`generate_vanilla`, :func:`generate_speculative`) and :class:`BatchEngine`, which verifies
-the trees of all live sequences in one target forward. Vanilla is the same logic with trees of
-one token.
-
-The batch-1 loops run on the same :class:`TargetBackend` (the in-process :class:`TargetModel`, or a
-proxy over Ray actors), so speedups compare like with like and the distributed path reuses this
-exact loop. Every speculative step is recorded as a :class:`StepRecord`; all metrics are
-computed from those records.
-
-Output rule (both loops): generation stops after ``max_new_tokens`` tokens or at the first EOS
-token (kept in the output), so a step that accepts past either point is truncated there.
-Both loops release the target's sequence (its KV cache, or the shards' caches) when generation
-ends, normally or by an error.
+"""Continuous batching: :class:`BatchEngine` admits requests into KV slots, drafts one tree per
+live sequence, verifies them all in one target forward and settles each sequence.
 """
 
 from __future__ import annotations
@@ -25,23 +10,23 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, cast, runtime_checkable
+from typing import cast
 
 import torch
 
-from speculation import verify as V
-from speculation.config import BatchConfig, EngineConfig, SamplingConfig
-from speculation.drafters.base import (
-    DraftContext,
-    Drafter,
-    Proposal,
-    SkippableDrafter,
-    StepOutcome,
-    VerifyTimed,
-    propose_many,
+from speculation.config import BatchConfig, SamplingConfig
+from speculation.drafters.base import Drafter, Proposal, SkippableDrafter, propose_many
+from speculation.engine.sequence import (
+    DecodingSequence,
+    FeedbackSink,
+    FinishReason,
+    GenerationResult,
+    StepRecord,
+    batch_picks,
 )
-from speculation.cost import RankAcceptance
-from speculation.goodput import (
+from speculation.model.target import ContextLengthError, PrefillForward, SlotState, TargetModel
+from speculation.policy.cost import RankAcceptance
+from speculation.policy.goodput import (
     DEFAULT_BATCH_CONTEXTS,
     BatchCostModel,
     CostCorrection,
@@ -54,354 +39,9 @@ from speculation.goodput import (
     split_budget,
     step_context,
 )
-from speculation.target import ContextLengthError, PrefillForward, SlotState, TargetModel, TreeForward
-from speculation.tree import DraftTree, NodeSource
-
-StateT = TypeVar("StateT")
-"""A backend's per-sequence state (``TargetState`` in process, a sequence handle over Ray)."""
+from speculation.spec.tree import DraftTree
 
 
-@runtime_checkable
-class TargetBackend(Protocol[StateT]):
-    """What the decode loop needs from a target (in-process or distributed), over its state type.
-
-    :class:`~speculation.target.TargetModel` (state ``TargetState``) and
-    ``cluster.backend.RayTargetBackend`` (state ``RayTargetState``) satisfy it structurally.
-    A sequence lives from ``prefill`` to ``release``; the loops release it when generation ends.
-    """
-
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Raise ``ContextLengthError`` if prompt + new tokens do not fit the context window."""
-        ...
-
-    def prefill(
-        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None
-    ) -> tuple[StateT, torch.Tensor, torch.Tensor | None]:
-        """Start a sequence: (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None);
-        ``chunk_tokens``: in forwards of at most that many tokens (chunked prefill), or a clear
-        error where the backend does not chunk."""
-        ...
-
-    def decode(self, state: StateT, token: int) -> torch.Tensor:
-        """Append ``token``; next-token logits ``[V]``."""
-        ...
-
-    def verify(self, state: StateT, tree: DraftTree, need_aux: bool = False) -> TreeForward:
-        """One forward over every node of ``tree`` (provisional KV rows until ``commit``)."""
-        ...
-
-    def commit(self, state: StateT, tree: DraftTree, accepted: list[int]) -> None:
-        """Keep only the accepted path's KV rows of the last verified tree."""
-        ...
-
-    def truncate(self, state: StateT, length: int) -> None:
-        """Forget everything after the first ``length`` cached tokens."""
-        ...
-
-    def release(self, state: StateT) -> None:
-        """Free the sequence's KV cache(s); the state is unusable afterwards."""
-        ...
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One verify step.
-
-    Attributes:
-        drafted: draft nodes proposed (tree size minus the root).
-        tree_size: tokens the target verified (root included).
-        accepted: draft tokens accepted (bonus excluded).
-        tokens_gained: tokens this step appended to the output (accepted + bonus, after truncation).
-        drafting_s: seconds in ``propose`` + ``observe``.
-        verify_s: seconds in the target forward, acceptance and KV commit.
-        drafter_forwards: neural drafter forwards spent on the proposal.
-        tree_depth: depth of the verified tree.
-        accepted_by_source: accepted draft tokens per :class:`NodeSource` name.
-        drafted_by_source: drafted nodes per :class:`NodeSource` name.
-        stats: the drafter's per-step numbers (:attr:`Proposal.stats`).
-    """
-
-    drafted: int
-    tree_size: int
-    accepted: int
-    tokens_gained: int
-    drafting_s: float
-    verify_s: float
-    drafter_forwards: int
-    tree_depth: int
-    accepted_by_source: dict[str, int]
-    drafted_by_source: dict[str, int]
-    stats: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class GenerationResult:
-    """Tokens generated for one prompt and how.
-
-    Attributes:
-        tokens: generated token ids (prompt excluded).
-        wall_s: wall-clock seconds from prefill start to the last token.
-        prefill_s: seconds of the prefill forward (and drafter ``begin``).
-        steps: per-step records (empty for vanilla).
-    """
-
-    tokens: list[int]
-    wall_s: float
-    prefill_s: float
-    steps: list[StepRecord] = field(default_factory=list)
-
-
-def _choose(logits: torch.Tensor, sampling: SamplingConfig, procs, gen: torch.Generator | None) -> int:
-    if sampling.greedy:
-        return int(V.first_argmax(logits.reshape(-1)))
-    return V.sample_token(logits.cpu(), procs, gen)  # the generator is a CPU one (seeded per request)
-
-
-class FinishReason(str, enum.Enum):
-    """Why a sequence ended (OpenAI's ``finish_reason`` values)."""
-
-    LENGTH = "length"
-    """``max_new_tokens`` tokens were generated."""
-    STOP = "stop"
-    """A stop token (EOS or one of the request's ``stop_token_ids``) was generated (kept in the output)."""
-    ABORT = "abort"
-    """The caller aborted the request."""
-
-
-FeedbackSink = Callable[[DraftContext, StepOutcome], None]
-
-
-@dataclass(frozen=True)
-class NodePicks:
-    """What acceptance and the drafter's ``observe`` read off one tree's logits, taken for every
-    sequence of a step in one call: ``argmax`` per node (greedy sequences) and the ``[T, k]`` top-k
-    ids (drafters with ``target_topk``, k the batch's largest); None where not wanted."""
-
-    argmax: list[int] | None = None
-    topk: torch.Tensor | None = None
-
-
-def _batch_picks(seqs: list[_Sequence], fwds: list[TreeForward]) -> list[NodePicks]:
-    """One argmax over the greedy sequences' tree rows and one top-k over the rows of sequences
-    whose drafter wants the target's top-k (:func:`~speculation.verify.batch_argmax`), instead of
-    one call per sequence; each row's result is the one a call of its own gives."""
-    greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy]
-    wants = [i for i, s in enumerate(seqs) if s.drafter is not None and s.drafter.target_topk]
-    argmax: dict[int, list[int]] = dict(zip(greedy, V.batch_argmax([fwds[i].logits for i in greedy])))
-    topk: dict[int, torch.Tensor] = {}
-    if wants:
-        k = max(cast(Drafter, seqs[i].drafter).target_topk for i in wants)
-        topk = dict(zip(wants, V.batch_topk([fwds[i].logits for i in wants], k)))
-    return [NodePicks(argmax.get(i), topk.get(i)) for i in range(len(seqs))]
-
-
-class _Sequence:
-    """One sequence's decode state and the per-step logic every loop shares.
-
-    The solo loops (:func:`generate_vanilla`, :func:`generate_speculative`) and
-    :class:`BatchEngine` differ only in how the target forward runs (one tree, or all trees of
-    the batch in one forward); choosing the first token, drafting, acceptance, KV commit,
-    output truncation, drafter observation, feedback and the step record all happen here.
-    ``drafter`` None is vanilla decoding: every tree is the root alone.
-    """
-
-    def __init__(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        sampling: SamplingConfig,
-        stop_ids: frozenset[int],
-        drafter: Drafter | None,
-        feedback: FeedbackSink | None = None,
-    ) -> None:
-        self.prompt_ids = prompt_ids
-        self.max_new_tokens = max_new_tokens
-        self.sampling = sampling
-        self.stop_ids = stop_ids
-        self.drafter = drafter
-        self.feedback = feedback
-        self.procs = V.build_processors(sampling)
-        self.gen = torch.Generator().manual_seed(sampling.seed)
-        self.out: list[int] = []
-        self.steps: list[StepRecord] = []
-        self.finished: FinishReason | None = None
-        self.ctx = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids))
-        self.t0 = time.perf_counter()
-        self.prefill_s = 0.0
-        self.t_end: float | None = None
-        self.last_accepted: list[int] = []
-
-    @property
-    def needs_aux(self) -> bool:
-        return self.drafter is not None and self.drafter.needs_aux
-
-    def result(self) -> GenerationResult:
-        end = self.t_end if self.t_end is not None else time.perf_counter()
-        return GenerationResult(tokens=list(self.out), wall_s=end - self.t0, prefill_s=self.prefill_s,
-                                steps=list(self.steps))
-
-    def _append(self, new: list[int]) -> list[int]:
-        """Append ``new`` up to the limits (stop token kept); sets :attr:`finished`; returns what was kept."""
-        kept: list[int] = []
-        for t in new:
-            self.out.append(t)
-            kept.append(t)
-            if t in self.stop_ids:
-                self.finished = FinishReason.STOP
-            elif len(self.out) >= self.max_new_tokens:
-                self.finished = FinishReason.LENGTH
-            if self.finished is not None:
-                self.t_end = time.perf_counter()
-                break
-        return kept
-
-    def start(self, logits: torch.Tensor, prompt_aux: torch.Tensor | None) -> list[int]:
-        """After prefill (next-token logits ``[V]``): choose the first token, begin the drafter."""
-        tok = _choose(logits, self.sampling, self.procs, self.gen)
-        self.ctx.tokens.append(tok)
-        if self.drafter is not None:
-            self.drafter.begin(self.ctx, prompt_aux)
-        self.prefill_s = time.perf_counter() - self.t0
-        return self._append([tok])
-
-    def propose(self, max_tree: int | None = None) -> tuple[DraftTree, Proposal | None, float]:
-        """The tree to verify (cut to its best ``max_tree`` nodes, root included), the proposal, seconds."""
-        if self.drafter is None:
-            return DraftTree(self.ctx.root_token), None, 0.0
-        ta = time.perf_counter()
-        proposal = self.drafter.propose(self.ctx)
-        return self.take(proposal, max_tree, time.perf_counter() - ta)
-
-    @staticmethod
-    def take(proposal: Proposal, max_tree: int | None, seconds: float) -> tuple[DraftTree, Proposal, float]:
-        """``proposal``'s tree cut to its best ``max_tree`` nodes (root included), the proposal, seconds."""
-        tree = proposal.tree
-        if max_tree is not None and len(tree) > max_tree:
-            tree = tree.pruned_to(max_tree - 1)
-        return tree, proposal, seconds
-
-    def settle(
-        self,
-        tree: DraftTree,
-        fwd: TreeForward,
-        picks: NodePicks,
-        commit: Callable[[DraftTree, list[int]], None],
-        proposal: Proposal | None,
-        draft_s: float,
-        forward_s: float,
-        stats: dict[str, float] | None = None,
-    ) -> tuple[list[int], StepRecord]:
-        """Accept over ``fwd`` (greedy or lossless sampling), ``commit`` the accepted KV rows, append
-        the new tokens, let the drafter observe and feedback see the outcome; returns (tokens kept,
-        the step's record). ``picks``: the argmax and top-k of ``fwd``'s nodes (:func:`_batch_picks`,
-        one call for the whole batch)."""
-        tb = time.perf_counter()
-        if self.sampling.greedy:
-            res = V.greedy(tree, fwd.logits, picks.argmax)
-        else:
-            res = V.sample(tree, fwd.logits.cpu(), self.procs, self.gen)  # CPU generator: CPU logits
-        commit(tree, res.accepted)
-        self.last_accepted = res.accepted
-        new = [tree.tokens[a] for a in res.accepted[1:]] + [res.bonus_token]
-        kept = self._append(new)
-        self.ctx.tokens.extend(new)
-        tc = time.perf_counter()
-        if self.drafter is not None:
-            drafter = self.drafter
-            aux = fwd.aux_hidden[res.accepted] if (fwd.aux_hidden is not None and drafter.needs_aux) else None
-            outcome = StepOutcome(
-                tree=tree,
-                accepted=res.accepted,
-                accepted_tokens=[tree.tokens[a] for a in res.accepted],
-                bonus_token=res.bonus_token,
-                aux_hidden=aux,
-                target_topk=picks.topk[:, : drafter.target_topk] if picks.topk is not None else None,
-            )
-            if self.finished is None:
-                drafter.observe(self.ctx, outcome)
-            if self.feedback is not None:
-                self.feedback(self.ctx, outcome)
-        td = time.perf_counter()
-        rec = _record(tree, res, proposal, len(kept), draft_s + (td - tc), forward_s + (tc - tb), stats)
-        self.steps.append(rec)
-        return kept, rec
-
-
-def _validate_prompt(target: TargetBackend[StateT], prompt_ids: list[int], cfg: EngineConfig) -> None:
-    if not prompt_ids:
-        raise ValueError("prompt is empty: at least one token is required")
-    target.check_fits(len(prompt_ids), cfg.max_new_tokens)
-
-
-def _run_solo(
-    target: TargetBackend[StateT],
-    drafter: Drafter | None,
-    prompt_ids: list[int],
-    cfg: EngineConfig,
-    feedback: FeedbackSink | None,
-) -> GenerationResult:
-    """One sequence on any :class:`TargetBackend`: the batch-1 case of the shared step logic."""
-    _validate_prompt(target, prompt_ids, cfg)
-    stop = target.eos_token_ids if cfg.stop_at_eos else frozenset()
-    seq = _Sequence(list(prompt_ids), cfg.max_new_tokens, cfg.sampling, stop, drafter, feedback)
-    timed = drafter if isinstance(drafter, VerifyTimed) else None  # its c(T) learns from each verify
-    state, logits, prompt_aux = target.prefill(prompt_ids, need_aux=seq.needs_aux, chunk_tokens=cfg.prefill_chunk_tokens)
-    try:
-        seq.start(logits, prompt_aux)
-        while seq.finished is None:
-            tree, proposal, draft_s = seq.propose()
-            tb = time.perf_counter()
-            if drafter is None:
-                # A one-node tree's forward is the plain decode step, which already keeps its row.
-                fwd = TreeForward(logits=target.decode(state, tree.root_token).view(1, -1), aux_hidden=None)
-                commit: Callable[[DraftTree, list[int]], None] = _keep_decoded
-            else:
-                fwd = target.verify(state, tree, need_aux=seq.needs_aux)
-                commit = functools.partial(target.commit, state)
-            context = len(seq.ctx.tokens)
-            picks = _batch_picks([seq], [fwd])[0]
-            _, rec = seq.settle(tree, fwd, picks, commit, proposal, draft_s, time.perf_counter() - tb)
-            if timed is not None:
-                timed.observe_verify(len(tree), context, rec.verify_s)
-    finally:
-        target.release(state)
-    res = seq.result()
-    if drafter is None:
-        res.steps = []  # vanilla reports no step records (GenerationResult contract)
-    return res
-
-
-def _keep_decoded(tree: DraftTree, accepted: list[int]) -> None:
-    """Commit after a decode step: the root's row is already the only one written."""
-    if accepted != [0]:
-        raise ValueError(f"a decode step can only accept the root, got {accepted}")
-
-
-def generate_vanilla(target: TargetBackend[StateT], prompt_ids: list[int], cfg: EngineConfig) -> GenerationResult:
-    """Plain autoregressive decoding on ``target`` (one forward per token): trees of one token."""
-    return _run_solo(target, None, prompt_ids, cfg, None)
-
-
-def generate_speculative(
-    target: TargetBackend[StateT],
-    drafter: Drafter,
-    prompt_ids: list[int],
-    cfg: EngineConfig,
-    feedback: FeedbackSink | None = None,
-) -> GenerationResult:
-    """Speculative decoding with any drafter behind the protocol.
-
-    Per step: propose a tree rooted at the pending token, verify it in one target forward,
-    accept (greedy or lossless sampling), keep only the accepted KV rows, let the drafter
-    observe, and hand the same :class:`StepOutcome` to ``feedback`` (online adaptation).
-    """
-    return _run_solo(target, drafter, prompt_ids, cfg, feedback)
-
-
-# ---------------------------------------------------------------------------- continuous batching
 class AdmissionError(ValueError):
     """The request can never fit this engine (prompt + new tokens vs the slot size or context)."""
 
@@ -473,7 +113,7 @@ class SequenceUpdate:
 @dataclass
 class _Live:
     request: Request
-    seq: _Sequence
+    seq: DecodingSequence
     state: SlotState
     ranks: RankAcceptance
     draft_size: float | None = None
@@ -502,7 +142,7 @@ class DraftingCheck(str, enum.Enum):
     the sizes; probes back off by doubling while they keep verifying nothing."""
     VETO = "veto"
     """The rule would draft, but drafted steps have realised less than plain ones
-    (:class:`~speculation.goodput.RealisedPayoff`): sit out as on SKIP."""
+    (:class:`~speculation.policy.goodput.RealisedPayoff`): sit out as on SKIP."""
     RETEST = "retest"
     """A vetoed step that drafts anyway, as DRAFT would, to re-measure the realised payoff;
     re-tests back off by doubling while drafting keeps losing."""
@@ -516,12 +156,12 @@ class BatchEngine:
     (the root alone for vanilla; drafters sharing a network run one forward per drafting stage for
     all of them, :func:`_propose_batch`), cut to the sequence's share of the step's tree-token
     budget and to the rows left in its slot, (3) verifies every tree in one
-    :meth:`~speculation.target.TargetModel.verify_batch` forward, (4) accepts, commits and
-    observes per sequence (the same :class:`_Sequence` logic as the solo loops), and (5) frees
+    :meth:`~speculation.model.target.TargetModel.verify_batch` forward, (4) accepts, commits and
+    observes per sequence (the same :class:`DecodingSequence` logic as the solo loops), and (5) frees
     the slots of sequences that ended. Requests join and leave only between steps.
 
     Admitted prompts are prefilled inside the step's forward (one more causal row of the flat
-    pass, :meth:`~speculation.target.TargetModel.step_batch`; their first token comes from it, and
+    pass, :meth:`~speculation.model.target.TargetModel.step_batch`; their first token comes from it, and
     they verify from the next step on) where the target ``folds_prefills`` and
     ``config.fold_prefills`` is on; otherwise each in its own forward before the step, verifying
     in that same step. Either way a sequence's tokens are the same bits (tested).
@@ -534,10 +174,10 @@ class BatchEngine:
         config: slots, slot size and step budget.
         feedback: optional sink for every sequence's :class:`StepOutcome` (online adaptation).
         cost_model: c(B, t, L) for the goodput rule (``config.goodput``); measured on ``target`` at
-            construction when None (:func:`speculation.goodput.measure_batch_cost`), then rescaled
+            construction when None (:func:`speculation.policy.goodput.measure_batch_cost`), then rescaled
             every step by :attr:`cost_correction` (measured / predicted forward seconds).
 
-    With ``config.goodput`` the drafted trees are cut by :func:`speculation.goodput.split_budget`
+    With ``config.goodput`` the drafted trees are cut by :func:`speculation.policy.goodput.split_budget`
     (each sequence's share may be zero drafts); :attr:`last_split` and every step record's
     ``stats["tree_budget"]`` (tree tokens granted, root included) report the split.
     """
@@ -558,8 +198,8 @@ class BatchEngine:
         self._waiting: collections.deque[Request] = collections.deque()
         self._live: dict[str, _Live] = {}
         self._aborted: list[SequenceUpdate] = []
-        self._retired: dict[str, _Sequence] = {}  # sequences whose final update the last step returned
-        self._aborted_seqs: dict[str, _Sequence] = {}  # aborted since then (reported by the next step)
+        self._retired: dict[str, DecodingSequence] = {}  # sequences whose final update the last step returned
+        self._aborted_seqs: dict[str, DecodingSequence] = {}  # aborted since then (reported by the next step)
         self.steps_run = 0
         self.last_split: dict[str, int] = {}
         """Tree tokens (root included) each live sequence verified in the last step."""
@@ -708,10 +348,10 @@ class BatchEngine:
         and a target whose ``folds_prefills`` says it can)."""
         return self.config.fold_prefills and self.target.folds_prefills
 
-    def _new_sequence(self, request: Request) -> _Sequence:
+    def _new_sequence(self, request: Request) -> DecodingSequence:
         drafter = self.drafter_factory() if self.drafter_factory is not None else None
         stop = request.stop_token_ids | (self.target.eos_token_ids if request.stop_at_eos else frozenset())
-        return _Sequence(list(request.prompt_ids), request.max_new_tokens, request.sampling, stop, drafter,
+        return DecodingSequence(list(request.prompt_ids), request.max_new_tokens, request.sampling, stop, drafter,
                          self.feedback)
 
     def _arrive(self, request: Request) -> _Live:
@@ -752,7 +392,7 @@ class BatchEngine:
     def _split(self, lives: list[_Live], drafts: list[int], drafting_s: float, spent: bool = True,
                corrected: bool = True) -> Split:
         """The goodput split of this step when sequence b can verify ``drafts[b]`` draft nodes
-        (cut to :func:`~speculation.goodput.exploration_cap`) and drafting costs ``drafting_s``
+        (cut to :func:`~speculation.policy.goodput.exploration_cap`) and drafting costs ``drafting_s``
         (``spent``: already paid, or, before drafting, paid only by a split that verifies drafts).
         ``corrected``: acceptance estimates scaled by :attr:`gain_correction` (False: as estimated,
         what a probe tests)."""
@@ -916,7 +556,7 @@ class BatchEngine:
         stats = {"batch_size": float(len(lives)), "batch_tree_tokens": float(sum(len(t) for t in trees)),
                  "batch_prefill_tokens": float(prompt_tokens), **split_stats}
         updates = []
-        picks = _batch_picks([lv.seq for lv in lives], fwds)
+        picks = batch_picks([lv.seq for lv in lives], fwds)
         for lv, cap, tree, (_, proposal, draft_s), fwd, pick in zip(lives, caps, trees, proposed, fwds, picks):
             commit = functools.partial(self.target.commit_slot, lv.state)
             kept, rec = lv.seq.settle(tree, fwd, pick, commit, proposal, draft_s, forward_s,
@@ -1003,7 +643,7 @@ class BatchEngine:
         return results
 
 
-def _propose_batch(seqs: list[_Sequence], caps: list[int],
+def _propose_batch(seqs: list[DecodingSequence], caps: list[int],
                    skip: bool = False) -> list[tuple[DraftTree, Proposal | None, float]]:
     """Every sequence's tree for this step: drafters sharing a network propose together, one
     forward per drafting stage (:func:`~speculation.drafters.base.propose_many`; retrieval and
@@ -1024,30 +664,5 @@ def _propose_batch(seqs: list[_Sequence], caps: list[int],
             drafted.append(i)
     proposals = propose_many([cast(Drafter, seqs[i].drafter) for i in drafted], [seqs[i].ctx for i in drafted])
     for i, (proposal, seconds) in zip(drafted, proposals):
-        out[i] = _Sequence.take(proposal, caps[i], seconds)
+        out[i] = DecodingSequence.take(proposal, caps[i], seconds)
     return out
-
-
-def _record(tree: DraftTree, res: V.VerifyResult, proposal: Proposal | None, gained: int, draft_s: float,
-            verify_s: float, extra_stats: dict[str, float] | None = None) -> StepRecord:
-    acc_src: dict[str, int] = {}
-    for a in res.accepted[1:]:
-        name = NodeSource(tree.sources[a]).name.lower()
-        acc_src[name] = acc_src.get(name, 0) + 1
-    dr_src: dict[str, int] = {}
-    for s in tree.sources[1:]:
-        name = NodeSource(s).name.lower()
-        dr_src[name] = dr_src.get(name, 0) + 1
-    return StepRecord(
-        drafted=len(tree) - 1,
-        tree_size=len(tree),
-        accepted=res.accept_length,
-        tokens_gained=gained,
-        drafting_s=draft_s,
-        verify_s=verify_s,
-        drafter_forwards=proposal.drafter_forwards if proposal is not None else 0,
-        tree_depth=tree.max_depth(),
-        accepted_by_source=acc_src,
-        drafted_by_source=dr_src,
-        stats={**(dict(proposal.stats) if proposal is not None else {}), **(extra_stats or {})},
-    )

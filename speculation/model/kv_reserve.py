@@ -1,8 +1,8 @@
 """KV rows of one sequence with spare capacity: appends write in place instead of concatenating.
 
-The solo decode loop (:class:`speculation.target.TargetModel`) and the Ray shards keep one
+The solo decode loop (:class:`speculation.model.target.TargetModel`) and the Ray shards keep one
 transformers ``DynamicCache`` per sequence; :func:`reserve_rows` swaps its plain layers for
-:class:`ReservedLayer`. (Continuous batching keeps its rows in :mod:`speculation.kv_slots`.) Only
+:class:`ReservedLayer`. (Continuous batching keeps its rows in :mod:`speculation.model.kv_slots`.) Only
 ``DynamicLayer`` is needed, so this works with every transformers the project supports,
 including the vLLM peer environment's.
 """
@@ -24,7 +24,7 @@ class ReservedLayer(DynamicLayer):
     append of T rows writes them in place at rows ``n .. n+T`` of a buffer ``[B, H_kv, cap, D]``;
     when ``n + T > cap`` the buffer is reallocated at ``cap' = max(2 (n + T), n + T + 256)`` and the
     valid rows copied once (amortised O(T) per append). ``keys``/``values`` stay views of the valid
-    rows ``[B, H_kv, n, D]``, so ``crop``, :func:`speculation.target.compact_kv` (which slice or
+    rows ``[B, H_kv, n, D]``, so ``crop``, :func:`speculation.model.target.compact_kv` (which slice or
     write those views) and ``get_seq_length`` work unchanged. If anything rebinds ``keys`` to a
     tensor that is not a prefix view of the buffer, the next append re-reserves from it.
     """

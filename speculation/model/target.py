@@ -26,14 +26,22 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
 from speculation.config import BatchLayout, ConfigError
-from speculation.kv_reserve import reserve_rows
-from speculation.lean_forward import LeanDecoder, RaggedRows
-from speculation.tree import DraftTree
+from speculation.model.kv_reserve import reserve_rows
+from speculation.model.lean_forward import LeanDecoder, RaggedRows
+from speculation.model.tree_attention import (
+    batch_tree_attention_inputs,
+    causal_positions,
+    chunk_attention_inputs,
+    prompt_chunks,
+    ragged_tree_inputs,
+    tree_attention_inputs,
+)
+from speculation.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     # Imported where a pool is made: kv_slots needs transformers >= 5.23 (DummyLayer), and the
     # vLLM peer environment (transformers < 5.20) imports this module without batching.
-    from speculation.kv_slots import KVSlotPool
+    from speculation.model.kv_slots import KVSlotPool
 
 
 class ContextLengthError(ValueError):
@@ -61,7 +69,7 @@ class TargetState:
 
 @dataclass
 class SlotState:
-    """A sequence in a :class:`~speculation.kv_slots.KVSlotPool` slot (continuous batching).
+    """A sequence in a :class:`~speculation.model.kv_slots.KVSlotPool` slot (continuous batching).
 
     Attributes:
         pool: the pool that holds its KV rows.
@@ -114,11 +122,11 @@ class TargetModel:
         model: a Hugging Face causal LM (eval mode, any dtype).
         tokenizer: its tokenizer (for EOS ids and templates).
         aux_layers: HF hidden-state indices for the drafters' features (default ``[2, L/2, L-3]``).
-        lean: run the forward passes through :class:`~speculation.lean_forward.LeanDecoder` where
+        lean: run the forward passes through :class:`~speculation.model.lean_forward.LeanDecoder` where
             the model qualifies (a fused, packed Llama-family model on the CPU; the same operators
             without transformers' module glue), else through the model's own ``forward``.
         batch_invariant: every product of the lean forward runs in row groups no larger than its
-            kernel's probed invariant limit (:class:`~speculation.lean_forward.PackedGemm`), so a
+            kernel's probed invariant limit (:class:`~speculation.model.lean_forward.PackedGemm`), so a
             sequence's bits do not depend on how many rows share its step, at the large kernels'
             speed. Needs the lean forward (:class:`ConfigError` otherwise).
     """
@@ -196,7 +204,7 @@ class TargetModel:
 
         ``positions`` ``[B, T]`` (None: right after the cached rows), ``mask`` ``[B, 1, T, n + T]``
         bool (None: causal), ``keep_last``: logits of the last row only, ``rows``: a flat batch
-        (lean loop only, :class:`~speculation.lean_forward.RaggedRows`), ``keep``: logits of these
+        (lean loop only, :class:`~speculation.model.lean_forward.RaggedRows`), ``keep``: logits of these
         token indices only (lean loop only). Returns (logits ``[B, T or 1 or K, V]``, hidden states
         by transformers index when ``need_aux``, else None).
         """
@@ -304,7 +312,7 @@ class TargetModel:
     # ------------------------------------------------------------------ continuous batching (slots)
     def new_slot_pool(self, max_sequences: int, max_tokens: int) -> KVSlotPool:
         """A KV pool of ``max_sequences`` slots of ``max_tokens`` rows for this model."""
-        from speculation.kv_slots import KVSlotPool
+        from speculation.model.kv_slots import KVSlotPool
 
         return KVSlotPool(self.num_layers, max_sequences, max_tokens)
 
@@ -454,118 +462,6 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | N
     return frozenset(int(i) for i in ids)
 
 
-def tree_attention_inputs(
-    ancestor_mask: torch.Tensor, depths: torch.Tensor, past_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 4D mask and positions of a tree forward over ``n = past_len`` cached tokens.
-
-    For T tree nodes with ancestor-or-self mask ``A`` (``[T, T]`` bool) and depths ``d`` (``[T]``)::
-
-        M[0, 0, i, :] = [1] * n ++ A[i]         # [1, 1, T, n + T] bool
-        position_i    = n + d_i                 # [1, T] int64
-
-    so node i attends to the committed text and its own path, at the position it would have in
-    a sequential decode. Used by :class:`TargetModel` and by every pipeline shard.
-    """
-    T = int(depths.shape[0])
-    mask = torch.ones(1, 1, T, past_len + T, dtype=torch.bool, device=device)  # [1, 1, T, n+T]
-    mask[0, 0, :, past_len:] = ancestor_mask.to(device=device, dtype=torch.bool)
-    positions = (depths.to(device=device, dtype=torch.long) + past_len).view(1, T)  # [1, T]
-    return mask, positions
-
-
-def prompt_chunks(ids: Sequence[int], chunk_tokens: int | None) -> list[tuple[int, list[int]]]:
-    """``(start, tokens)`` of each forward of a chunked prefill: tokens ``jC .. (j+1)C - 1`` for
-    ``C = chunk_tokens`` (None: the whole prompt in one). A bad ``chunk_tokens`` is refused by name."""
-    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
-                                     or chunk_tokens < 1):
-        raise ValueError(f"prefill chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
-    step = len(ids) if chunk_tokens is None else chunk_tokens
-    return [(lo, list(ids[lo: lo + step])) for lo in range(0, len(ids), max(step, 1))]
-
-
-def chunk_attention_inputs(
-    past_len: int, length: int, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Mask and positions of a prompt chunk of ``length`` tokens after ``past_len`` cached ones.
-
-    A first chunk (``past_len = 0``) and a one-token chunk need none: (None, None), the plain
-    causal call. Otherwise the chunk is a chain over the cache::
-
-        M[0, 0, i, :] = [1] * n ++ [j <= i for j < T]     # [1, 1, T, n + T] bool
-        position_i    = n + i                             # [1, T] int64
-    """
-    if past_len == 0 or length == 1:
-        return None, None
-    chain = torch.ones(length, length, dtype=torch.bool).tril_()  # [T, T]: i sees j <= i
-    return tree_attention_inputs(chain, torch.arange(length), past_len, device)
-
-
-def batch_tree_attention_inputs(
-    trees: list, past_lens: list[int], kv_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token ids, 4D mask and positions of one batched tree forward over per-row KV lengths.
-
-    Row b has ``n_b = past_lens[b]`` valid KV rows and a tree of ``T_b`` nodes (``trees[b]``, a
-    :class:`~speculation.tree.TreeTensors`) written at ``n_b .. n_b + T_b``; ``T = max T_b``::
-
-        ids[b, i]          = token_i (i < T_b), 0 for padding               # [B, T] int64
-        M[b, 0, i, :]      = [1]*n_b ++ A_b[i] ++ [0]*(kv_len - n_b - T_b)  # [B, 1, T, kv_len] bool
-        M[b, 0, i, :]      = [1] ++ [0]*(kv_len - 1)     for padding i >= T_b (any finite row)
-        position[b, i]     = n_b + d_b[i]  (n_b + i for padding)            # [B, T] int64
-
-    Padding queries read row 0 of their own slot only, so they stay finite and touch nobody.
-    """
-    B = len(trees)
-    T = max(int(t.tokens.shape[0]) for t in trees)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, 1, T, kv_len, dtype=torch.bool)
-    positions = torch.arange(T, dtype=torch.long).repeat(B, 1)
-    for b, (tt, n) in enumerate(zip(trees, past_lens)):
-        tb = int(tt.tokens.shape[0])
-        ids[b, :tb] = tt.tokens
-        mask[b, 0, :tb, :n] = True
-        mask[b, 0, :tb, n : n + tb] = tt.ancestor_mask
-        mask[b, 0, tb:, 0] = True
-        positions[b, :tb] = tt.depths
-        positions[b] += n
-    return ids.to(device), mask.to(device), positions.to(device)
-
-
-def ragged_tree_inputs(
-    trees: list, past_lens: list[int], device: torch.device, prompts: Sequence[Sequence[int]] = (),
-    prompt_past: Sequence[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, RaggedRows]:
-    """Token ids, positions and rows of one flat (ragged) batched forward: tree rows, then prompts.
-
-    Row b's ``T_b`` nodes (``trees[b]``, a :class:`~speculation.tree.TreeTensors`) after its
-    ``n_b = past_lens[b]`` committed tokens take tokens ``o_b .. o_b + T_b`` of the packed pass::
-
-        ids[0, o_b + i]       = token_i                                     # [1, sum T_b] int64
-        position[0, o_b + i]  = n_b + d_b[i]                                # [1, sum T_b] int64
-        mask_b                = [1]*n_b ++ A_b  (tree_attention_inputs)     # [1, 1, T_b, n_b + T_b]
-
-    and ``mask_b`` is None for a one-token row (a decode step: it attends to every key of its row).
-    Each prompt of ``prompts`` follows as one row of its n tokens at positions ``s..s+n-1``, ``s``
-    its slot's prefilled tokens (``prompt_past``, None: all 0): a prefill of an empty slot has
-    ``mask`` None (causal over its own keys, as a solo prefill); a later chunk of a chunked prefill
-    attends to its slot's earlier chunks and causally to itself (:func:`chunk_attention_inputs`).
-    """
-    past = [0] * len(prompts) if prompt_past is None else list(prompt_past)
-    if len(past) != len(prompts):
-        raise ValueError("ragged_tree_inputs needs one prompt_past per prompt")
-    n_tree = [int(tt.tokens.shape[0]) for tt in trees]
-    ids = torch.cat([*(tt.tokens for tt in trees), *(torch.tensor(p, dtype=torch.long) for p in prompts)])
-    positions = torch.cat([*(tt.depths.to(torch.long) + n for tt, n in zip(trees, past_lens)),
-                           *(torch.arange(s, s + len(p), dtype=torch.long) for p, s in zip(prompts, past))])
-    masks: list[torch.Tensor | None] = []
-    for tt, n, t in zip(trees, past_lens, n_tree):
-        masks.append(None if t == 1 else tree_attention_inputs(tt.ancestor_mask, tt.depths, n, device)[0])
-    masks += [chunk_attention_inputs(s, len(p), device)[0] for p, s in zip(prompts, past)]
-    sizes = (*n_tree, *(len(p) for p in prompts))
-    return ids.view(1, -1).to(device), positions.view(1, -1).to(device), RaggedRows(sizes=sizes, masks=tuple(masks))
-
-
 def check_step_rows(states: Sequence, trees: Sequence[DraftTree], prefills: Sequence[tuple],
                     chunked: bool = False):
     """Validate one batched step's rows (``step_batch`` of the in-process and the Ray target): one
@@ -617,11 +513,6 @@ def split_step_outputs(
         state.length += len(ids)
         state.tokens.extend(ids)
     return fwds, starts
-
-
-def causal_positions(past_len: int, length: int, device: torch.device) -> torch.Tensor:
-    """``[1, T]`` positions ``n + arange(T)`` of T tokens appended after ``n = past_len`` cached ones."""
-    return torch.arange(past_len, past_len + length, dtype=torch.long, device=device).view(1, length)
 
 
 @torch.inference_mode()

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculation.output_head import onednn_available, packed_path_applies
+from speculation.model.output_head import onednn_available, packed_path_applies
 
 PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling ``nn.Linear`` children that read the same input in the supported decoder families
@@ -152,7 +152,7 @@ def fuse_decoder(model: nn.Module) -> int:
     """Group the sibling projections (:data:`PROJECTION_GROUPS`) of every module of ``model`` and
     swap its RMS norms (:data:`RMS_NORM_CLASSES`) for :class:`FusedRMSNorm`. Returns how many
     modules were replaced (0 where torch has no oneDNN: nothing is done). Run it before
-    :func:`~speculation.output_head.pack_linears`, which leaves the grouped projections alone.
+    :func:`~speculation.model.output_head.pack_linears`, which leaves the grouped projections alone.
     """
     if not onednn_available():
         return 0

@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from speculation.tree import DraftTree, NodeSource
+from speculation.spec.tree import DraftTree, NodeSource
 
 DEFAULT_CONTEXT = 256
 """The context length of the one-dimensional curve (``sizes``/``seconds``)."""
@@ -375,7 +375,7 @@ _MEASURED: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], float]] = weakre
 
 
 def _fits(target: Any, context: int, size: int) -> bool:
-    from speculation.target import ContextLengthError
+    from speculation.model.target import ContextLengthError
 
     try:
         target.check_fits(context, size)

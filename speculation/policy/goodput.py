@@ -1,7 +1,7 @@
 """Goodput rule: split one batched step's tree tokens across sequences to maximise tokens/s.
 
 A step verifies B live sequences; sequence b verifies its root plus ``n_b`` draft nodes (its
-best ``n_b`` by score, ancestor-closed: :meth:`~speculation.tree.DraftTree.pruned_to`). With
+best ``n_b`` by score, ancestor-closed: :meth:`~speculation.spec.tree.DraftTree.pruned_to`). With
 ``q_b[r]`` the estimated probability that the r-th best draft node of sequence b is accepted
 (its acceptance-by-rank estimate, non-increasing in r), the expected tokens of the step are
 ``sum_b (1 + sum_{r < n_b} q_b[r])`` (every sequence gains its bonus token).
@@ -19,7 +19,7 @@ sequence's rank order), and the rule scans D = 0 .. the step's room::
 
     maximise   G(D) = (B + top_D(q)) / (k * c(B, 1 + D / B, mean_b len_b) + d)
 
-**PADDED** (transformers' forward): :meth:`~speculation.target.TargetModel.verify_batch` pads
+**PADDED** (transformers' forward): :meth:`~speculation.model.target.TargetModel.verify_batch` pads
 every row to the largest tree, ``t = 1 + max_b n_b`` query positions, over the longest row's
 KV, ``L = max_b len_b`` committed tokens. So the step costs ``c(B, t, L)`` seconds (measured:
 :class:`BatchCostModel`), and a split that gives one sequence 10 drafts and the others none
@@ -42,7 +42,7 @@ t = 1 .. 1 + max cap and keeps the best G. ``n_b = 0`` (a tree of one token: pla
 that sequence) happens whenever its q's do not pay, and t = 1 (batched vanilla) is always a
 candidate, so speculation is never chosen at a predicted loss.
 
-Three guards around the rule, all in :class:`~speculation.engine.BatchEngine`:
+Three guards around the rule, all in :class:`~speculation.engine.batch.BatchEngine`:
 
 - **Draft at all?** Before drafting, the engine runs the rule on the trees it expects, with
   drafting *not yet spent*: a split that verifies drafts pays ``d`` (the EMA of past drafting
@@ -63,7 +63,7 @@ Three guards around the rule, all in :class:`~speculation.engine.BatchEngine`:
   ``2 E + 1`` draft ranks, E the leading ranks verified so far, and new sequences start from
   the engine's pooled estimate, so a fresh engine does not verify whole trees on no evidence.
 
-Acceptance by rank is the one estimator Graft uses too (:class:`~speculation.cost.RankAcceptance`:
+Acceptance by rank is the one estimator Graft uses too (:class:`~speculation.policy.cost.RankAcceptance`:
 a discounted Beta posterior per best-first rank; ranks the tree did not contain are not updated).
 """
 
@@ -80,8 +80,8 @@ import numpy as np
 import torch
 
 from speculation.config import BatchLayout
-from speculation.cost import interp
-from speculation.tree import DraftTree
+from speculation.policy.cost import interp
+from speculation.spec.tree import DraftTree
 
 DEFAULT_BATCH_CONTEXTS = (64, 512)
 """Committed-context lengths c(B, t, L) is measured at (those that fit the slots)."""
@@ -148,7 +148,7 @@ class BatchCostModel:
 
 
 def _row_curve(ts: np.ndarray, seconds: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """:func:`~speculation.cost.interp` in t (flat below the first row size, the last non-negative
+    """:func:`~speculation.policy.cost.interp` in t (flat below the first row size, the last non-negative
     slope beyond the largest) at every element of ``t``."""
     out = np.interp(t, ts, seconds)
     if len(ts) > 1:
@@ -303,10 +303,10 @@ def exploration_cap(explored: int) -> int:
     """Most draft ranks a sequence may verify when ``explored`` leading ranks have been verified:
     ``2 * explored + 1`` (ranks open by doubling: 1, 3, 7, 15, ...).
 
-    An unverified rank's posterior mean is the uninformed 1/2 (:class:`~speculation.cost.RankAcceptance`),
+    An unverified rank's posterior mean is the uninformed 1/2 (:class:`~speculation.policy.cost.RankAcceptance`),
     so without the cap a fresh engine's first step would verify every rank of every tree at 1/2, the
     most expensive step it can take, on no evidence. New sequences start from the engine's pooled
-    estimate (:class:`~speculation.engine.BatchEngine`), so the doubling is paid once per engine."""
+    estimate (:class:`~speculation.engine.batch.BatchEngine`), so the doubling is paid once per engine."""
     return 2 * max(explored, 0) + 1
 
 
@@ -445,7 +445,7 @@ def measure_batch_cost(
     row a t-token tree over L committed tokens); median of ``repeats`` (after one warm-up).
     On CUDA every timed call is bracketed by ``torch.cuda.synchronize``. The model records the
     target's ``batch_layout`` (PADDED for a target that does not say)."""
-    from speculation.tree import NodeSource
+    from speculation.spec.tree import NodeSource
 
     if not contexts or not batch_sizes or not row_tokens:
         raise ValueError("measure_batch_cost needs at least one context, batch size and row size")

@@ -5,8 +5,8 @@ A decode step of SmolLM2-135M (30 layers) through ``LlamaForCausalLM.forward`` m
 through transformers' attention dispatch. On the 2-core CPU host of BENCHMARKS.md that glue is a
 large share of a bandwidth-bound step whose operators take about 37 ms
 (``benchmarks/decode_profile.py``). :class:`LeanDecoder` runs the *same operators on the same
-tensors* as the fused Hugging Face model (:mod:`speculation.fused_layers`, packed oneDNN weights
-of :mod:`speculation.output_head`) from one Python loop:
+tensors* as the fused Hugging Face model (:mod:`speculation.model.fused_layers`, packed oneDNN weights
+of :mod:`speculation.model.output_head`) from one Python loop:
 
     x_0     = E[ids]                                                   # [B, T, H]
     per layer l (pre-norm residual block):
@@ -60,8 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from speculation.fused_layers import FusedRMSNorm, GroupedProjection, rms_norm
-from speculation.output_head import PackedLinear
+from speculation.model.fused_layers import FusedRMSNorm, GroupedProjection, rms_norm
+from speculation.model.output_head import PackedLinear
 
 LEAN_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2"})
 """``config.model_type`` values whose decoder layer is the pre-norm block in the module docstring."""
@@ -182,7 +182,7 @@ class _Layer:
 
 
 class RaggedKV(Protocol):
-    """A KV store for a flat batch (:class:`~speculation.kv_slots.SlotBatchCache` with ``flat=True``)."""
+    """A KV store for a flat batch (:class:`~speculation.model.kv_slots.SlotBatchCache` with ``flat=True``)."""
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
         """Store layer ``layer_idx``'s new keys and values ``[1, H_kv, sum T_b, D]``."""
@@ -197,7 +197,7 @@ class RaggedRows:
     the one packed sequence dimension (``[1, sum T_b]``), with no padding.
 
     ``masks[b]``: row b's own attention mask ``[1, 1, T_b, n_b + T_b]`` bool, exactly what a solo
-    forward of that row takes (:func:`~speculation.target.tree_attention_inputs`), or None where the
+    forward of that row takes (:func:`~speculation.model.tree_attention.tree_attention_inputs`), or None where the
     solo forward has none: a one-token row attends to all its keys, and a row of T_b > 1 tokens
     without a mask is a **prefill** of an empty slot (``n_b = 0``), causal over its own tokens
     (SDPA's ``is_causal``, the solo prefill's call)."""

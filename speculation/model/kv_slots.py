@@ -13,10 +13,10 @@ A batched tree forward over slots ``s_1..s_B`` with trees of ``T_b`` nodes after
 
 * writes node ``t < T_b`` of row ``b`` at ``K[l][s_b, :, n_b + t]`` (padding rows are not written),
 * returns the slab ``K[l][s_1..s_B, :, :L_max]`` with ``L_max = max_b (n_b + T_b)``, the keys the
-  4D mask ``[B, 1, T_max, L_max]`` (see :func:`speculation.target.batch_tree_attention_inputs`)
+  4D mask ``[B, 1, T_max, L_max]`` (see :func:`speculation.model.tree_attention.batch_tree_attention_inputs`)
   selects from. When the slots are one contiguous range the slab is a view (no copy).
 
-The **flat** (ragged) layout used by the lean forward (:mod:`speculation.lean_forward`) packs the
+The **flat** (ragged) layout used by the lean forward (:mod:`speculation.model.lean_forward`) packs the
 rows' tokens one after another instead (``[1, sum_b T_b]``, row b at offsets ``o_b .. o_b + T_b``,
 no padding): :meth:`SlotBatchCache.write` scatters its new rows, and :meth:`SlotBatchCache.row_kv`
 hands attention each row's own keys ``K[l][s_b : s_b + 1, :, : n_b + T_b]`` (a view, no slab, no

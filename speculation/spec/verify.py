@@ -2,7 +2,7 @@
 
 Greedy (T = 0): starting at the root, descend to the child whose token equals
 ``argmax z_cur``; stop when no child matches. The bonus is ``argmax z_last``. Siblings are unique
-by token (see :mod:`speculation.tree`), so the accepted path is the unique longest match.
+by token (see :mod:`speculation.spec.tree`), so the accepted path is the unique longest match.
 
 Stochastic (multi-draft rejection with deterministic candidates, SpecInfer / EAGLE)::
 
@@ -26,7 +26,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from speculation.config import SamplingConfig
-from speculation.tree import ROOT, DraftTree
+from speculation.spec.tree import ROOT, DraftTree
 
 
 @dataclass(frozen=True)
