@@ -674,7 +674,7 @@ def load_model(
             if i not in layers:
                 decoder[i] = torch.nn.Module()
     owns_head = layers is None or layers.stop == len(model.model.layers)  # the shard (or model) that serves it
-    if onednn_available():
+    if onednn_available(dtype):
         if fuse:
             fuse_decoder(model)
         pack_linears(model, skip=None if owns_head else model.get_output_embeddings())

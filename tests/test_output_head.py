@@ -70,6 +70,8 @@ def test_the_packed_copy_follows_the_weight_through_loads_optimizer_steps_copies
     assert not torch.equal(product(twin, x), product(net, x))
     net.to(torch.bfloat16)
     check(net, x.to(torch.bfloat16))
+    # Packed again in bf16 only where this CPU's oneDNN has bf16 kernels; else F.linear, no error.
+    assert (net[0].current_packed() is not None) == onednn_available(torch.bfloat16)
     # A weight made in inference mode has no version counter: products go through F.linear.
     with torch.inference_mode():
         frozen = PackedLinear(nn.Linear(16, 24))

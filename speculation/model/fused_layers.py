@@ -151,11 +151,12 @@ def _groupable(linears: Sequence[nn.Module]) -> bool:
 def fuse_decoder(model: nn.Module) -> int:
     """Group the sibling projections (:data:`PROJECTION_GROUPS`) of every module of ``model`` and
     swap its RMS norms (:data:`RMS_NORM_CLASSES`) for :class:`FusedRMSNorm`. Returns how many
-    modules were replaced (0 where torch has no oneDNN: nothing is done). Run it before
+    modules were replaced (0 where torch has no oneDNN for the model's dtype: nothing is done). Run it before
     :func:`~speculation.model.output_head.pack_linears`, which leaves the grouped projections alone.
     """
-    if not onednn_available():
-        return 0
+    param = next(model.parameters(), None)
+    if param is None or not onednn_available(param.dtype):
+        return 0  # no oneDNN, or none in this dtype on this CPU (bf16 on an AVX2-only host)
     count = 0
     for module in list(model.modules()):
         for names in PROJECTION_GROUPS:

@@ -51,9 +51,33 @@ def use_transposed_head(model: nn.Module) -> bool:
     return True
 
 
-def onednn_available() -> bool:
-    """Whether torch's oneDNN (mkldnn) linear kernels can be used on this CPU."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether torch's oneDNN (mkldnn) linear kernels can be used on this CPU in ``dtype``.
+
+    fp32 needs only a oneDNN build; bf16 and fp16 also need the CPU's instructions (oneDNN's bf16
+    path wants AVX-512 BW/VL/DQ or AVX-NE-CONVERT, so an AVX2-only host has none): the answer
+    comes from packing and multiplying one small weight in ``dtype``, once per process and dtype.
+    """
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype not in _ONEDNN_DTYPE_WORKS:
+        _ONEDNN_DTYPE_WORKS[dtype] = _onednn_probe(dtype)
+    return _ONEDNN_DTYPE_WORKS[dtype]
+
+
+_ONEDNN_DTYPE_WORKS: dict[torch.dtype, bool] = {}
+"""Per dtype, whether oneDNN's packed linear ran on this CPU (filled by :func:`onednn_available`)."""
+
+
+@torch.inference_mode()
+def _onednn_probe(dtype: torch.dtype) -> bool:
+    w = torch.ones(16, 16, dtype=dtype)  # [out, in]
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError:  # "bf16 path needs the cpu support ..."
+        return False
+    return True
 
 
 def packed_path_applies(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> bool:
@@ -104,7 +128,7 @@ class PackedLinear(nn.Module):
         """The packed copy of the weight as it is now (packed again if the weight changed since),
         or None when the weight cannot be tracked (an inference tensor) or is not on the CPU."""
         key = _weight_key(self.weight)
-        if key is None or self.weight.device.type != "cpu":
+        if key is None or self.weight.device.type != "cpu" or not onednn_available(self.weight.dtype):
             return None
         held = self._copy.held
         if held is None or held[0] != key:
@@ -151,7 +175,7 @@ def pack_linears(model: nn.Module, skip: nn.Module | None = None) -> int:
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if child is skip:
+            if child is skip or (isinstance(child, nn.Linear) and not onednn_available(child.weight.dtype)):
                 continue
             if type(child) is nn.Linear or isinstance(child, TransposedHead):
                 setattr(module, name, PackedLinear(child))
