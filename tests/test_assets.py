@@ -228,7 +228,7 @@ def test_spec_bench_limit_per_category():
 
 def test_spec_bench_missing_names_the_file(monkeypatch, tmp_path):
     """A broken install (package data stripped) fails with the path and the way out."""
-    monkeypatch.setattr(assets, "spec_bench_path", lambda: tmp_path / "question.jsonl")
+    monkeypatch.setattr(assets.datasets, "spec_bench_path", lambda: tmp_path / "question.jsonl")
     with pytest.raises(AssetError, match="--dataset PATH") as err:
         load_questions("spec_bench")
     assert str(tmp_path / "question.jsonl") in str(err.value)
