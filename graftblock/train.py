@@ -19,12 +19,14 @@ import sys
 import torch
 
 from adaptation.data import sharegpt_data
+from adaptation.distill import distilled_data
 from adaptation.families import FAMILIES
 from adaptation.family import DrafterFamily
 from adaptation.trainer import TrainConfig, Trainer
 from speculation import assets
-from speculation.config import DType
+from speculation.config import ConfigError, DType
 from speculation.model.target import TargetModel
+from graftblock import distill_data
 from tracking.train import MetricsSink, MlflowSink, NullSink
 
 
@@ -41,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser, family: DrafterFamily) -> None:
                    help="feature cache directory (default <workdir>/features); share one between drafters")
     p.add_argument("--export", default=None, help="also write the final checkpoint + manifest here")
     p.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the packaged file)")
+    p.add_argument("--distilled", default=None,
+                   help="train on a `graftblock distill-data` directory (the target's own answers)")
     p.add_argument("--heldout", type=int, default=24, help="first N conversations held out (not trained on)")
     p.add_argument("--regenerate", type=int, default=0,
                    help="self-distillation: replace answers by N target-generated tokens (0 = off)")
@@ -99,9 +103,15 @@ def run(args: argparse.Namespace) -> int:
     family, cfg = configure(args)
     model, tokenizer = assets.load_model_and_tokenizer(args.model, DType.parse(args.dtype).torch)
     target = TargetModel(model, tokenizer)
-    data = sharegpt_data(tokenizer, target, max_len=args.max_len, heldout=args.heldout,
-                         regenerate_tokens=args.regenerate, regenerate_batch=args.regenerate_batch,
-                         path=args.sharegpt)
+    if args.distilled and args.regenerate:
+        raise ConfigError("train: --distilled and --regenerate both replace the answers; pass one of them")
+    if args.distilled:
+        data = distilled_data(tokenizer, target, args.distilled, max_len=args.max_len, heldout=args.heldout,
+                              sharegpt=args.sharegpt)
+    else:
+        data = sharegpt_data(tokenizer, target, max_len=args.max_len, heldout=args.heldout,
+                             regenerate_tokens=args.regenerate, regenerate_batch=args.regenerate_batch,
+                             path=args.sharegpt)
     command = f"graftblock train {family.name} " + " ".join(shlex.quote(a) for a in args.argv)
     trainer = Trainer(cfg, family, target, data, args.workdir, target_name=args.model,
                       progress=not args.no_progress, features_dir=args.features)
@@ -141,6 +151,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train a drafter (resumable; logged to MLflow)")
     _add_families(t)
     t.set_defaults(func=_cmd_train)
+    distill_data.add_subcommand(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
