@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 from adaptation.gain import break_even_horizon_s
 from graftblock.adapt import HARMFUL_POLICY, RECOVERY_WINDOW, RECOVERY_WITHIN, recovery_requests
@@ -20,7 +21,27 @@ VERDICTS = ("draft", "probe", "retest", "skip", "veto")
 """The goodput rule's verdicts before drafting (``DraftingCheck`` values), in the order the tables show them."""
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-OUT = ROOT / "BENCHMARKS.md"
+NOTES = ROOT / "benchmarks" / "notes"
+BENCH_KIND = "bench"
+"""The registry key of a ``graftblock bench`` JSON, which has no ``kind`` field (``methods`` instead)."""
+
+RENDERERS: dict[str, Callable[[dict], list[str]]] = {}
+"""Result kind (the JSON's ``kind`` field) -> the function that renders its tables (``@renderer``)."""
+
+
+class UnknownKind(ValueError):
+    """A result JSON whose kind no renderer is registered for."""
+
+
+def renderer(kind: str) -> Callable[[Callable[[dict], list[str]]], Callable[[dict], list[str]]]:
+    """Register ``fn`` as the table renderer of results of ``kind``."""
+    def register(fn: Callable[[dict], list[str]]) -> Callable[[dict], list[str]]:
+        if kind in RENDERERS:
+            raise ValueError(f"two renderers for result kind {kind!r}")
+        RENDERERS[kind] = fn
+        return fn
+    return register
+
 
 def _plots_of(stem: str) -> list[Path]:
     """The PNGs ``<stem>_<plot>.png`` of one result, not those of a longer result stem that starts
@@ -242,6 +263,7 @@ def render_concurrency(res: dict) -> list[str]:
     return lines
 
 
+@renderer("serve_load")
 def render_serve_load(res: dict) -> list[str]:
     """A live server under N streaming ``openai`` clients, against the offline batched engine."""
     srv = res.get("server", {})
@@ -277,6 +299,7 @@ def render_serve_load(res: dict) -> list[str]:
     return lines
 
 
+@renderer("goodput_calibration")
 def render_goodput_calibration(res: dict) -> list[str]:
     """The goodput rule's steps against batched vanilla's on the same prompts (all-live steps only)."""
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}` with `goodput: true`, "
@@ -293,6 +316,7 @@ def render_goodput_calibration(res: dict) -> list[str]:
     return lines
 
 
+@renderer("cost_correction")
 def render_cost_correction(res: dict) -> list[str]:
     """Solo retrieval on a clean c(T), on a disturbed one used as given, and on the disturbed one corrected online."""
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['prompts']} Spec-Bench first turns, "
@@ -311,6 +335,7 @@ def render_cost_correction(res: dict) -> list[str]:
     return lines
 
 
+@renderer("sweep_heldout")
 def render_sweep_heldout(res: dict) -> list[str]:
     """A sweep's trials, then its best configuration on the sweep's categories and on held-out ones."""
     b = res["best"]
@@ -359,6 +384,7 @@ def _cost_total_s(cost: dict) -> float:
     return cost["train_s"] * cost["contention"] + cost["sync_s"]
 
 
+@renderer("adapt_bench")
 def render_adapt(res: dict) -> list[str]:
     """adapt-bench: policies on one domain-shifting stream, tokens/s net of update cost, decisions."""
     pol = res["policies"]
@@ -460,6 +486,7 @@ def _harmful_lines(h: dict) -> list[str]:
              f"the row above, does not enter)."] if h.get("cost_share_of_phase") is not None else [])
 
 
+@renderer("linear_kernels")
 def render_linear_kernels(res: dict) -> list[str]:
     """Vanilla and retrieval under each linear-kernel arm, interleaved prompt by prompt."""
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['prompts']} Spec-Bench first turns, "
@@ -475,6 +502,7 @@ def render_linear_kernels(res: dict) -> list[str]:
     return lines
 
 
+@renderer("online_knobs")
 def render_online_knobs(res: dict) -> list[str]:
     """Candidate updates over a knob grid: held-out and train replay tau against the live weights."""
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, drafter `{res['drafter']}`; phase `{res['phase']}` of "
@@ -493,6 +521,7 @@ def render_online_knobs(res: dict) -> list[str]:
     return lines
 
 
+@renderer("decode_profile")
 def render_decode_profile(res: dict) -> list[str]:
     """A vanilla decode step: wall time, and the profiler's operator self-times grouped."""
     g = res["groups_ms_per_step"]
@@ -524,6 +553,7 @@ def render_decode_profile(res: dict) -> list[str]:
     return lines
 
 
+@renderer("drafter_kernels")
 def render_drafter_kernels(res: dict) -> list[str]:
     """Feature drafters' networks, F.linear against packed layers, interleaved prompt by prompt."""
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, {res['prompts']} Spec-Bench first turns, "
@@ -542,6 +572,7 @@ def render_drafter_kernels(res: dict) -> list[str]:
     return lines
 
 
+@renderer("output_head")
 def render_output_head(res: dict) -> list[str]:
     """Vanilla decoding with each output head, interleaved prompt by prompt."""
     shape = res["head_shape"]
@@ -580,6 +611,7 @@ def render_drafter_details(res: dict) -> list[str]:
     return lines
 
 
+@renderer("ray_overhead")
 def render_ray_overhead(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**, {len(res['prompts'])} prompts x {res['max_new_tokens']} new tokens, "
              f"{res['threads']} torch threads, OMP_WAIT_POLICY={res.get('omp_wait_policy')}. Milliseconds per "
@@ -598,6 +630,7 @@ def render_ray_overhead(res: dict) -> list[str]:
     return lines
 
 
+@renderer("retrieval_scaling")
 def render_scaling(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**, {res['steps']} proposals per context length; retrieval config as in the "
              "JSON.", "", "| context tokens | median ms | p90 ms | mean tree size |", "|---|---|---|---|"]
@@ -606,6 +639,7 @@ def render_scaling(res: dict) -> list[str]:
     return lines
 
 
+@renderer("specblock_grad_terms")
 def render_grad_terms(res: dict) -> list[str]:
     """Per-slot gradient norms of block 1's weighted slot losses, masked vs unmasked."""
     lines = [f"Checkpoint `{res['checkpoint']}`, {res['batches']} cached training batches.", "",
@@ -624,6 +658,7 @@ def _paired_cell(level: dict) -> str:
             f"{level['repeats_faster']} of {len(ratios)}")
 
 
+@renderer("fold_prefills")
 def render_fold_prefills(res: dict) -> list[str]:
     """Prefills folded into the step against their own forwards (or chunked against whole prompts,
     or the goodput rule with its payoff veto against without): per N and arm, medians over repeats."""
@@ -674,6 +709,7 @@ def _ab_closed_loop(res: dict, ratio: str) -> list[str]:
     return lines
 
 
+@renderer("single_query_attention")
 def render_single_query_attention(res: dict) -> list[str]:
     """The one-query attention kernel, half precision against widened, then the closed-loop A/B."""
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}`: one layer's "
@@ -686,6 +722,7 @@ def render_single_query_attention(res: dict) -> list[str]:
     return lines + ["", *_ab_closed_loop(res, "widened / half")]
 
 
+@renderer("batch_invariant")
 def render_batch_invariant(res: dict) -> list[str]:
     """Batch-invariant mode against the default: the products per row count, then the closed-loop A/B."""
     lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**, method `{res['method']}`: each distinct "
@@ -705,6 +742,7 @@ def render_batch_invariant(res: dict) -> list[str]:
     return lines + ["", *_ab_closed_loop(res, "invariant / default")]
 
 
+@renderer("verify_curve")
 def render_curve(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**; median seconds of one verify + KV commit over a 256-token context.", ""]
     curves = res["curves"]
@@ -719,68 +757,53 @@ def render_curve(res: dict) -> list[str]:
     return lines
 
 
+@renderer(BENCH_KIND)
+def render_bench_result(res: dict) -> list[str]:
+    """A ``graftblock bench`` result (no ``kind`` field): the methods table, per-depth acceptance where a
+    feature drafter ran, and the closed loop where ``--concurrency`` was given."""
+    out = render_bench(res)
+    if any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values()):
+        out += render_drafter_details(res)
+    if res.get("concurrency"):
+        out += render_concurrency(res)
+    return out
+
+
+def kind_of(res: dict, path: Path) -> str:
+    """The renderer key of one result: its ``kind``, or ``bench`` for a ``graftblock bench`` JSON."""
+    kind = res.get("kind") or (BENCH_KIND if "methods" in res else None)
+    if kind not in RENDERERS:
+        raise UnknownKind(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: result kind {kind!r} "
+                          f"has no renderer in benchmarks/render.py (known: {', '.join(sorted(RENDERERS))})")
+    return kind
+
+
+def title_of(path: Path) -> str:
+    return SECTIONS.get(path.stem, path.stem.replace("_", " "))
+
+
+def section(path: Path, level: int = 2) -> list[str]:
+    """One result's section: heading, command, date and machine, raw link, tables, plots, the note."""
+    res = json.loads(path.read_text())
+    out = [f"{'#' * level} {title_of(path)}", "", f"`{_command(res, path)}`", "", _env_line(res), "",
+           f"Raw results: [`{path.relative_to(ROOT)}`]({path.relative_to(ROOT)}).", ""]
+    out += RENDERERS[kind_of(res, path)](res)
+    for png in _plots_of(path.stem):
+        out += ["", f"![{png.stem}]({png.relative_to(ROOT)})"]
+    note = NOTES / f"{path.stem}.md"
+    if note.exists():
+        out += ["", note.read_text().strip()]
+    out.append("")
+    return out
+
+
 def main() -> int:
-    files = sorted(RESULTS.glob("*.json"))
-    order = {stem: i for i, stem in enumerate(SECTIONS)}
-    files.sort(key=lambda p: (order.get(p.stem, len(order)), p.stem))
-    out = [HEADER]
-    notes_dir = ROOT / "benchmarks" / "notes"
-    for path in files:
-        res = json.loads(path.read_text())
-        title = SECTIONS.get(path.stem, path.stem.replace("_", " "))
-        out += [f"## {title}", "", f"`{_command(res, path)}`", "", _env_line(res), "",
-                f"Raw results: [`{path.relative_to(ROOT)}`]({path.relative_to(ROOT)}).", ""]
-        kind = res.get("kind")
-        if kind == "verify_curve":
-            out += render_curve(res)
-        elif kind == "ray_overhead":
-            out += render_ray_overhead(res)
-        elif kind == "retrieval_scaling":
-            out += render_scaling(res)
-        elif kind == "specblock_grad_terms":
-            out += render_grad_terms(res)
-        elif kind == "serve_load":
-            out += render_serve_load(res)
-        elif kind == "output_head":
-            out += render_output_head(res)
-        elif kind == "drafter_kernels":
-            out += render_drafter_kernels(res)
-        elif kind == "adapt_bench":
-            out += render_adapt(res)
-        elif kind == "linear_kernels":
-            out += render_linear_kernels(res)
-        elif kind == "decode_profile":
-            out += render_decode_profile(res)
-        elif kind == "online_knobs":
-            out += render_online_knobs(res)
-        elif kind == "sweep_heldout":
-            out += render_sweep_heldout(res)
-        elif kind == "cost_correction":
-            out += render_cost_correction(res)
-        elif kind == "goodput_calibration":
-            out += render_goodput_calibration(res)
-        elif kind == "fold_prefills":
-            out += render_fold_prefills(res)
-        elif kind == "single_query_attention":
-            out += render_single_query_attention(res)
-        elif kind == "batch_invariant":
-            out += render_batch_invariant(res)
-        elif "methods" in res:
-            out += render_bench(res)
-            if any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values()):
-                out += render_drafter_details(res)
-            if res.get("concurrency"):
-                out += render_concurrency(res)
-        for png in _plots_of(path.stem):
-            out += ["", f"![{png.stem}]({png.relative_to(ROOT)})"]
-        note = notes_dir / f"{path.stem}.md"
-        if note.exists():
-            out += ["", note.read_text().strip()]
-        out.append("")
-    OUT.write_text("\n".join(out) + "\n")
-    print(f"wrote {OUT} ({len(files)} result files)")
-    return 0
+    """Kept for ``python benchmarks/render.py``: the same as ``graftblock report``."""
+    from benchmarks import report
+
+    return report.main([])
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
     sys.exit(main())
