@@ -434,6 +434,10 @@ def stale() -> list[Path]:
     return [p for p, text in generate().items() if not p.exists() or p.read_text() != text]
 
 
+def _name(p: Path) -> str:
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming each generated file that differs from its sources")
@@ -444,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         bad = [p for p, text in expected.items() if not p.exists() or p.read_text() != text]
         if bad:
-            names = ", ".join(str(p.relative_to(ROOT)) for p in bad)
+            names = ", ".join(_name(p) for p in bad)
             print(f"graftblock report: stale: {names} differ from benchmarks/results/*.json and "
                   f"benchmarks/notes/*.md; run `graftblock report` and commit the result", file=sys.stderr)
             return 1
@@ -453,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
     for p, text in expected.items():
         p.write_text(text)
     n = len(result_files())
-    print(f"wrote {', '.join(str(p.relative_to(ROOT)) for p in expected)} ({n} result files, "
+    print(f"wrote {', '.join(_name(p) for p in expected)} ({n} result files, "
           f"{len(ARCHIVE_OF)} archived)")
     return 0
 
