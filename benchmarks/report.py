@@ -134,6 +134,8 @@ class Claim:
     measured: Callable[[dict], str]
     headline: str | None = None
     """README's wording of the claim (``{host}``: the JSON's machine), or None to keep it out of the headline."""
+    label: str | None = None
+    """A short name for the link to the section (else the section's title)."""
 
 
 def _host(res: dict) -> str:
@@ -271,48 +273,48 @@ def _linear_kernels(r: dict) -> str:
 CLAIMS: tuple[Claim, ...] = (
     Claim("foundation_specbench_bf16", "Does the training-free retrieval drafter beat vanilla?",
           "faster than vanilla and HF prompt lookup", _foundation,
-          "Retrieval drafter beats vanilla on Spec-Bench (bf16, {host})"),
+          "Retrieval drafter beats vanilla on Spec-Bench (bf16, {host})", label="Foundation (bf16)"),
     Claim("foundation_specbench_fp32", "Is retrieval lossless and still faster in fp32?",
           "token-identical to vanilla, > 1×", _foundation,
-          "Retrieval is lossless and still faster in fp32 ({host})"),
+          "Retrieval is lossless and still faster in fp32 ({host})", label="Foundation (fp32)"),
     Claim("eagle3_graft_specbench_bf16", "Does the committed EAGLE-3 head pay on its own?", "> 1× vanilla",
-          _eagle3_budgets, "The committed EAGLE-3 head is too weak to pay (bf16, {host})"),
+          _eagle3_budgets, "The committed EAGLE-3 head is too weak to pay (bf16, {host})", label="EAGLE-3 and Graft (bf16)"),
     Claim("eagle3_graft_specbench_bf16", "Does Graft rescue the dense EAGLE-3 tree?",
           "Graft ≥ dense EAGLE-3 and ≥ retrieval alone (#11)", _graft_bf16,
-          "Graft rescues the dense EAGLE-3 tree, but not past retrieval alone (bf16, {host})"),
+          "Graft rescues the dense EAGLE-3 tree, but not past retrieval alone (bf16, {host})", label="EAGLE-3 and Graft (bf16)"),
     Claim("graft_specbench_fp32", "Is Graft priced like its best source (fp32, cost cut)?",
           "Graft ≥ the best single source (#11)", _graft_vs_retrieval,
-          "Graft with the cost cut is priced like its best source (fp32, {host})"),
+          "Graft with the cost cut is priced like its best source (fp32, {host})", label="Graft ablation (fp32)"),
     Claim("graft_asdiv_fp32", "Does Graft hold on a dataset not used to build it?",
-          "Graft ≥ the best single source (#11)", _graft_vs_retrieval),
+          "Graft ≥ the best single source (#11)", _graft_vs_retrieval, label="Graft on ASDiv (fp32)"),
     Claim("sweep_graft_heldout_fp32", "Does a swept Graft configuration carry to held-out categories?",
-          "held-out speedup near the sweep's", _sweep),
+          "held-out speedup near the sweep's", _sweep, label="Graft sweep, held out (fp32)"),
     Claim("specblock_specbench_bf16", "SpecBlock against EAGLE-3 at equal training budget", "≥ EAGLE-3",
-          _specblock, "SpecBlock against EAGLE-3 at equal training budget (bf16, {host})"),
+          _specblock, "SpecBlock against EAGLE-3 at equal training budget (bf16, {host})", label="SpecBlock (bf16)"),
     Claim("concurrency_specbench39_bf16_amx", "Does batched vanilla scale with concurrency?",
-          "≥ 4× at N = 8 (#12)", _vanilla_scaling, "Batched vanilla scales with concurrency (bf16, 39 prompts, {host})"),
+          "≥ 4× at N = 8 (#12)", _vanilla_scaling, "Batched vanilla scales with concurrency (bf16, 39 prompts, {host})", label="Concurrency, AMX-BF16"),
     Claim("goodput_against_vanilla_bf16_amx", "Does speculation pay under load with the goodput rule?",
           "≥ 1× batched vanilla at every N", _paired,
-          "Speculation under load with the goodput rule, back to back (bf16, {host})"),
+          "Speculation under load with the goodput rule, back to back (bf16, {host})", label="Goodput, AMX-BF16"),
     Claim("vllm_peers_specbench_fp32", "One request at a time, against vLLM", "≈ 1× vLLM", _vllm_solo,
-          "One request at a time against vLLM (fp32, {host})"),
+          "One request at a time against vLLM (fp32, {host})", label="vLLM as a peer"),
     Claim("concurrency_vllm_specbench_fp32", "Under load, against vLLM's continuous batching", "≈ 1× vLLM",
-          _vllm_load, "Under load against vLLM (fp32, {host})"),
+          _vllm_load, "Under load against vLLM (fp32, {host})", label="Batching against vLLM"),
     Claim("serve_load", "Does a live server keep the offline engine's throughput?",
           "serving / offline ≥ 0.80", _serving,
-          "A live OpenAI-compatible server keeps the offline engine's throughput (fp32, {host})"),
+          "A live OpenAI-compatible server keeps the offline engine's throughput (fp32, {host})", label="Serving"),
     Claim("adapt_harmful_eagle3_fp32", "Does the swap guard roll back a harmful update?",
           "rolled back within one watch window, output unchanged", _harmful,
-          "The swap guard rolls back a harmful update (EAGLE-3, fp32, {host})"),
+          "The swap guard rolls back a harmful update (EAGLE-3, fp32, {host})", label="Harmful update"),
     Claim("adapt_domain_shift_specblock_fp32_horizon600", "Does cost-aware adaptation apply an update that pays?",
           "≥ static net of update cost", _learner,
-          "Cost-aware online adaptation against static (SpecBlock, fp32, {host})"),
+          "Cost-aware online adaptation against static (SpecBlock, fp32, {host})", label="600 s horizon"),
     Claim("serve_adaptive_guarded", "Does the learner run inside a live server without dropping feedback?",
-          "no feedback dropped, 0 errors", _serve_learner),
+          "no feedback dropped, 0 errors", _serve_learner, label="Adaptive serving, guarded"),
     Claim("decode_profile_lean_fp32", "Is the lean decoder loop faster than transformers' forward?",
-          "> 1×, identical tokens", _decode_lean),
+          "> 1×, identical tokens", _decode_lean, label="Lean decoder loop (fp32)"),
     Claim("linear_kernels_fp32", "Do packed linear kernels speed up vanilla decoding?", "> 1× `F.linear`",
-          _linear_kernels),
+          _linear_kernels, label="Linear kernels (fp32)"),
 )
 
 
@@ -351,7 +353,7 @@ def _verdicts(link: Callable[[str], str]) -> list[str]:
         res = _load(c.stem)
         path = RESULTS / f"{c.stem}.json"
         lines.append(f"| {_cell(c.question)} | {_cell(c.target)} | {_cell(c.measured(res))} | {_date(res)[:10]} | "
-                     f"`{_cell(_command(res, path))}` | [{_cell(title_of(path))}]({link(c.stem)}) |")
+                     f"`{_cell(_command(res, path))}` | [{_cell(c.label or title_of(path))}]({link(c.stem)}) |")
     return lines
 
 
@@ -407,7 +409,7 @@ def headline(files: list[Path]) -> str:
         res = _load(c.stem)
         title = title_of(RESULTS / f"{c.stem}.json")
         lines.append(f"| {_cell(c.headline.format(host=_host(res)))} | {_cell(c.measured(res))} | "
-                     f"[{_cell(title)}](BENCHMARKS.md#{anchor(title)}) |")
+                     f"[{_cell(c.label or title)}](BENCHMARKS.md#{anchor(title)}) |")
     return "\n".join(lines)
 
 
