@@ -8,6 +8,7 @@
     graftblock bench|generate --ray [--shards N] [--topology FILE]   (methods over Ray actors)
     graftblock sweep     --config ray_configs/sweep_smoke.yaml [--root DIR]
     graftblock compare   --experiment NAME [--out-dir DIR]
+    graftblock report    [--check]   (BENCHMARKS.md, benchmarks/archive.md, README's headline from the JSON)
 
 Every sub-command is also reachable as ``python -m graftblock <command>`` (e.g. for ``ray job
 submit``); the sweep job also as ``python -m sweeps.run``. User errors (bad config or YAML, an
@@ -370,7 +371,26 @@ def build_parser() -> argparse.ArgumentParser:
     from graftblock.adapt import add_adapt_parser
 
     add_adapt_parser(sub)  # adapt-bench (online adaptation policies on a domain-shift stream)
+    _add_report_parser(sub)  # report [--check] (BENCHMARKS.md, benchmarks/archive.md, README's headline)
     return parser
+
+
+def _add_report_parser(sub) -> None:
+    """``graftblock report``: the logic is ``benchmarks/report.py`` (a checkout's, not the wheel's)."""
+    r = sub.add_parser("report", help="regenerate BENCHMARKS.md, benchmarks/archive.md and README's headline "
+                                      "from benchmarks/results/*.json (--check: exit 1 if any is stale)")
+    r.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 naming each generated file that differs from its sources")
+    r.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import report
+
+    return report.run(args)
 
 
 def _one_line(exc: BaseException) -> str:
