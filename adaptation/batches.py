@@ -30,6 +30,14 @@ class FeatureBatch:
     topk_indices: torch.Tensor
     num_tokens: int = 0
 
+    def to(self, device: torch.device) -> FeatureBatch:
+        """The same batch on ``device`` (itself when it is already there)."""
+        if self.aux.device == device:
+            return self
+        return FeatureBatch(aux=self.aux.to(device), input_ids=self.input_ids.to(device),
+                            loss_mask=self.loss_mask.to(device), topk_values=self.topk_values.to(device),
+                            topk_indices=self.topk_indices.to(device), num_tokens=self.num_tokens)
+
 
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
     """Sequence indices per batch: sorted by length, packed while ``B * max_len <= batch_tokens``,

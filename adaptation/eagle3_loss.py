@@ -68,8 +68,8 @@ def ttt_unroll(
     B, S, _ = aux.shape
     n_rep = a.num_heads // a.num_kv_heads
     scale = model.attn_scale
-    pos0 = torch.arange(S)
-    causal = torch.ones(S, S, dtype=torch.bool).tril()  # [S, S]
+    pos0 = torch.arange(S, device=aux.device)
+    causal = torch.ones(S, S, dtype=torch.bool, device=aux.device).tril()  # [S, S]
     hidden = model.fuse(aux)  # [B, S, H]
     kr = vr = None  # step-0 keys/values, repeated to nh heads: [B, nh, S, hd]
     extra_k: list[torch.Tensor] = []  # steps 1..j, repeated: [B, nh, S, hd] each
@@ -109,7 +109,7 @@ def ttt_forward(
     """Unroll ``steps`` draft steps over ``batch`` and return the weighted loss (module docstring)."""
     B, S, _ = batch.aux.shape
     in_vocab = target_to_draft >= 0
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=batch.aux.device)
     step_loss, step_acc, step_count = [], [], []
     for j, y in ttt_unroll(model, embed_weight, batch.aux, batch.input_ids, steps):
         # loss on rows whose predicted token x_{t+2+j} is an assistant token in the draft vocab

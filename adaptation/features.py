@@ -55,8 +55,10 @@ class ShardData:
 
 @torch.inference_mode()
 def extract_sequence(model: Any, aux_layers: tuple[int, ...], sample: Sample, topk: int) -> dict[str, torch.Tensor]:
-    """Features of one sequence from an HF causal LM (any dtype; stored as bf16 / int32)."""
-    ids = torch.tensor([sample.input_ids], dtype=torch.long)  # [1, S]
+    """Features of one sequence from an HF causal LM on any device, in any dtype; returned on the
+    CPU as bf16 / int32 (what the cache stores)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([sample.input_ids], dtype=torch.long, device=device)  # [1, S]
     out = model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
     aux = torch.cat([out.hidden_states[i][0] for i in aux_layers], dim=-1)  # [S, 3H]
     S = ids.shape[1]
@@ -67,15 +69,15 @@ def extract_sequence(model: Any, aux_layers: tuple[int, ...], sample: Sample, to
     values = torch.zeros(S, topk, dtype=torch.bfloat16)
     indices = torch.zeros(S, topk, dtype=torch.int32)
     if idx.numel():
-        logits = model.lm_head(out.last_hidden_state[0, idx]).float()  # [M, V]
+        logits = model.lm_head(out.last_hidden_state[0, idx.to(device)]).float()  # [M, V]
         top = logits.topk(topk, dim=-1)
-        values[idx] = top.values.to(torch.bfloat16)
-        indices[idx] = top.indices.to(torch.int32)
+        values[idx] = top.values.to(torch.bfloat16).cpu()
+        indices[idx] = top.indices.to(torch.int32).cpu()
     return {
-        "aux": aux.to(torch.bfloat16).contiguous(),
+        "aux": aux.to(torch.bfloat16).cpu().contiguous(),
         "topk_values": values,
         "topk_indices": indices,
-        "input_ids": ids[0].to(torch.int32),
+        "input_ids": ids[0].to(torch.int32).cpu(),
         "loss_mask": mask.to(torch.uint8),
     }
 

@@ -97,13 +97,13 @@ def valid_prefix(correct: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
 
 def rank_soft_labels(t: torch.Tensor, classes: int = 4) -> torch.Tensor:
     """``[N]`` labels -> ``[N, C]`` soft labels ``s(c|t) ∝ (1 + |c-t| + max(t-c, 0))^-2``."""
-    c = torch.arange(classes)[None, :]
+    c = torch.arange(classes, device=t.device)[None, :]
     tt = t[:, None]
     w = (1.0 + (c - tt).abs() + (tt - c).clamp(min=0)).float().pow(-2.0)
     return w / w.sum(-1, keepdim=True)
 
 
-def block_masks(S: int, K: int, ttt_valid: list[int]) -> torch.Tensor:
+def block_masks(S: int, K: int, ttt_valid: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """Attention mask of one block over ``[block-1 keys, TTT block keys..., own keys]``.
 
     Args:
@@ -111,8 +111,8 @@ def block_masks(S: int, K: int, ttt_valid: list[int]) -> torch.Tensor:
     Returns:
         ``[S*K, (1 + len(ttt_valid)) * S*K]`` bool (module docstring, "Attention").
     """
-    anchor = torch.arange(S).repeat_interleave(K)  # [S*K]
-    slot = torch.arange(K).repeat(S)
+    anchor = torch.arange(S, device=device).repeat_interleave(K)  # [S*K]
+    slot = torch.arange(K, device=device).repeat(S)
     same = anchor[:, None] == anchor[None, :]
     own = same & (slot[None, :] <= slot[:, None])
     if not ttt_valid:
@@ -140,12 +140,13 @@ def block_forward(
     K = a.block_size
     B, S, _ = batch.aux.shape
     in_vocab = target_to_draft >= 0
-    pos = torch.arange(S)[:, None] + 1 + torch.arange(K)  # [S, K]
+    dev = batch.aux.device
+    pos = torch.arange(S, device=dev)[:, None] + 1 + torch.arange(K, device=dev)  # [S, K]
     keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per block, per layer (k, v)
     ttt_valid: list[int] = []
     off = 0
     cond = model.condition_from_aux(batch.aux)  # [B, S, H]
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=dev)
     draft_sum = rank_sum = 0.0
     rank_right = rank_rows = 0
     slot_acc: list[list[float]] = []
@@ -164,7 +165,7 @@ def block_forward(
             off += M
         offsets.append(off)
         emb = F.embedding(shift(batch.input_ids, 1 + off), embed_weight)  # [B, S, H]
-        mask = block_masks(S, K, ttt_valid)
+        mask = block_masks(S, K, ttt_valid, dev)
         layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _kv=layer_kv, _mask=mask):
@@ -178,12 +179,12 @@ def block_forward(
         hidden.append(d)
 
         # ---- per-slot targets and losses
-        chain = torch.ones(B * S, dtype=torch.bool)
-        rchain = torch.ones(B * S, dtype=torch.bool)
+        chain = torch.ones(B * S, dtype=torch.bool, device=dev)
+        rchain = torch.ones(B * S, dtype=torch.bool, device=dev)
         accs, counts = [], []
         terms: list[torch.Tensor | None] = []
-        counted = torch.zeros(B * S, K, dtype=torch.bool)
-        correct_bk = torch.zeros(B * S, K, dtype=torch.bool)
+        counted = torch.zeros(B * S, K, dtype=torch.bool, device=dev)
+        correct_bk = torch.zeros(B * S, K, dtype=torch.bool, device=dev)
         rank_terms, rank_weights = [], []
         for k in range(K):
             top_idx = shift(batch.topk_indices, 1 + off + k).reshape(B * S, -1)  # [BS, topK]

@@ -210,6 +210,13 @@ class Trainer:
         self.target_name = target_name
         self.sink: MetricsSink = sink or NullSink()
         self.progress = progress
+        self.device: torch.device = torch.device(target.device)
+        if self.device.type != "cpu" and cfg.eval_prompts and data.eval_prompts:
+            raise ConfigError(
+                f"train: the tau measurement (eval_prompts={cfg.eval_prompts}) runs the drafters' CPU decode "
+                f"loop; with the target on {self.device} pass --eval-prompts 0 and measure tau of the exported "
+                "checkpoint on a CPU host with `graftblock bench` (the held-out acc_k metrics do run here)"
+            )
         self.fingerprint = TargetFingerprint.from_target(target, name=target_name)
         self.cache = FeatureCache(Path(features_dir) if features_dir else self.workdir / "features")
         self.embed = target.model.get_input_embeddings().weight.detach()
@@ -256,7 +263,7 @@ class Trainer:
         model = self.family.new_model(self.target, int(self.vocab.ids.numel()))
         model.set_vocab(self.vocab.ids)
         model.init_head_from_target(self.target.model.get_output_embeddings().weight.detach().float())
-        self.model = model.float().train()
+        self.model = model.float().to(self.device).train()
         self.opt = torch.optim.AdamW(
             model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
         )
@@ -313,12 +320,14 @@ class Trainer:
         in eval mode, without gradients, at the training precision."""
         assert self.model is not None
         batches: Iterator[FeatureBatch] = (
-            make_batch(heldout, idx) for idx in plan_batches(heldout.lengths(), self.cfg.batch_tokens, seed=0)
+            make_batch(heldout, idx).to(self.device)
+            for idx in plan_batches(heldout.lengths(), self.cfg.batch_tokens, seed=0)
         )
         was_training = self.model.training
         self.model.train(False)
         try:
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
+            with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                                 enabled=self.cfg.autocast_bf16):
                 return self.family.heldout_metrics(self.model, self.embed, self._t2d, batches,
                                                    self.cfg.ttt_steps)
         finally:
@@ -397,7 +406,8 @@ class Trainer:
         lr = _lr(cfg, self.state.step, self._progress())
         for g in self.opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+        batch = batch.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
             res = self.family.loss(self.model, self.embed, batch, self._t2d, steps, self._step_generator())
         self.opt.zero_grad(set_to_none=True)
         if res.loss.requires_grad:
