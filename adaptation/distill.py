@@ -242,6 +242,15 @@ class HFGenerator:
         return out
 
 
+def make_generator(backend: str, target, batch_size: int, cfg: DistillConfig) -> Generator:
+    """The generation backend ``backend`` ("engine" | "hf") over a loaded ``TargetModel``."""
+    if backend == "hf":
+        return HFGenerator(target.model, batch_size, target.eos_token_ids, target.tokenizer.pad_token_id or 0)
+    if backend != "engine":
+        raise ValueError(f"distill: backend must be 'engine' or 'hf', got {backend!r}")
+    return EngineGenerator(target, batch_size, cfg.max_prompt_tokens + cfg.max_new_tokens)
+
+
 @dataclass
 class DistillStats:
     """Counters of a distillation directory (one shard's, or the sum over its shards)."""
@@ -259,7 +268,7 @@ def shard_path(out: Path, index: int) -> Path:
 
 
 def _write_atomic(path: Path, write: Callable[[Any], None], binary: bool = False) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: replicas share a directory
     with (open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8")) as f:
         write(f)
     os.chmod(tmp, 0o644)
@@ -335,19 +344,7 @@ def distill(
     ``shards`` restricts the run to these shard indices (the Ray fan-out gives each replica its
     own); the manifest's counters are always the sum of the headers of the shards on disk."""
     root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    n_shards = (len(plan) + cfg.shard_size - 1) // cfg.shard_size
-    contract = {"format": FORMAT, "config": asdict(cfg), "plan_items": len(plan),
-                "plan_first_ids": [p.item_id for p in plan[:3]], **meta}
-    mpath = root / MANIFEST
-    if mpath.is_file():
-        old = json.loads(mpath.read_text())
-        if old.get("contract") != contract:
-            keys = sorted(k for k in set(old.get("contract", {})) | set(contract)
-                          if old.get("contract", {}).get(k) != contract.get(k))
-            raise ConfigError(f"distill: {root} was written with other settings ({keys}); use another --out")
-    else:
-        _write_manifest(root, contract, n_shards)
+    contract, n_shards = open_directory(plan, root, cfg, meta)
     todo = [s for s in (range(n_shards) if shards is None else shards) if not shard_path(root, s).is_file()]
     bar = None
     if progress:
@@ -369,7 +366,7 @@ def distill(
             payload = ("\n".join(lines) + "\n").encode()
             # The shard carries its own counters: a kill between the shard and the manifest loses none.
             _write_atomic(shard_path(root, s), lambda f: f.write(gzip.compress(payload, 9, mtime=0)), binary=True)
-            stats = _write_manifest(root, contract, n_shards)
+            stats = write_manifest(root, contract, n_shards)
             if bar is not None:
                 bar.update(len(items))
                 bar.set_postfix({"tok/s": f"{stats.new_tokens / max(stats.wall_s, 1e-9):.0f}"})
@@ -378,7 +375,30 @@ def distill(
     finally:
         if bar is not None:
             bar.close()
-    return _write_manifest(root, contract, n_shards)
+    return write_manifest(root, contract, n_shards)
+
+
+def shard_count(plan: list[DistillItem], cfg: DistillConfig) -> int:
+    return (len(plan) + cfg.shard_size - 1) // cfg.shard_size
+
+
+def open_directory(plan: list[DistillItem], root: Path, cfg: DistillConfig, meta: dict) -> tuple[dict, int]:
+    """Create ``root`` with its manifest, or check that the manifest there has this contract
+    (format, config, plan and ``meta``); returns (contract, shard count)."""
+    root.mkdir(parents=True, exist_ok=True)
+    n_shards = shard_count(plan, cfg)
+    contract = {"format": FORMAT, "config": asdict(cfg), "plan_items": len(plan),
+                "plan_first_ids": [p.item_id for p in plan[:3]], **meta}
+    mpath = root / MANIFEST
+    if mpath.is_file():
+        old = json.loads(mpath.read_text())
+        if old.get("contract") != contract:
+            keys = sorted(k for k in set(old.get("contract", {})) | set(contract)
+                          if old.get("contract", {}).get(k) != contract.get(k))
+            raise ConfigError(f"distill: {root} was written with other settings ({keys}); use another --out")
+    else:
+        write_manifest(root, contract, n_shards)
+    return contract, n_shards
 
 
 def _shard_lines(path: Path) -> Iterator[dict]:
@@ -387,7 +407,7 @@ def _shard_lines(path: Path) -> Iterator[dict]:
             yield json.loads(line)
 
 
-def _write_manifest(root: Path, contract: dict, n_shards: int) -> DistillStats:
+def write_manifest(root: Path, contract: dict, n_shards: int) -> DistillStats:
     """Sum the counters in every shard's header into ``manifest.json``; returns the sums."""
     total = DistillStats()
     for path in sorted(root.glob("shard_*.jsonl.gz")):

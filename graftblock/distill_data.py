@@ -23,10 +23,8 @@ import torch
 
 from adaptation.distill import (
     DistillConfig,
-    EngineGenerator,
-    Generator,
-    HFGenerator,
     distill,
+    make_generator,
     plan_from_sharegpt,
     side_by_side_rates,
 )
@@ -61,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--shard-size", type=int, default=d.shard_size)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--replicas", type=int, default=0,
+                   help="fan the shards out over N Ray actors, each with its own target (0: this process)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: the cluster to join (default: start a local Ray with N CPUs)")
     p.add_argument("--baseline-prompts", type=int, default=0,
                    help="also time this many prompts one sequence at a time (the throughput baseline)")
     p.add_argument("--no-progress", action="store_true")
@@ -76,18 +78,16 @@ def distill_config(args: argparse.Namespace) -> DistillConfig:
                          seed=args.seed)
 
 
-def _generator(backend: str, target: TargetModel, batch_size: int, cfg: DistillConfig) -> Generator:
-    if backend == "hf":
-        return HFGenerator(target.model, batch_size, target.eos_token_ids, target.tokenizer.pad_token_id or 0)
-    return EngineGenerator(target, batch_size, cfg.max_prompt_tokens + cfg.max_new_tokens)
-
-
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``graftblock distill-data``."""
     if args.items < 1:
         raise ConfigError(f"distill-data: --items must be >= 1, got {args.items}")
     if args.heldout < 0:
         raise ConfigError(f"distill-data: --heldout must be >= 0, got {args.heldout}")
+    if args.replicas < 0:
+        raise ConfigError(f"distill-data: --replicas must be >= 0, got {args.replicas}")
+    if args.ray_address and not args.replicas:
+        raise ConfigError("distill-data: --ray-address needs --replicas N (N >= 1)")
     if args.baseline_prompts < 0:
         raise ConfigError(f"distill-data: --baseline-prompts must be >= 0, got {args.baseline_prompts}")
     cfg = distill_config(args)
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = DType.parse(args.dtype)
     model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype.torch)
     target = TargetModel(model, tokenizer)
-    generator = _generator(args.backend, target, args.batch_size, cfg)
+    generator = make_generator(args.backend, target, args.batch_size, cfg)
     source = args.sharegpt or str(assets.sharegpt_path())
     plan = plan_from_sharegpt(source, args.heldout, args.items)
     if not plan:
@@ -124,14 +124,18 @@ def run(args: argparse.Namespace) -> int:
 
     status = "FAILED"
     try:
-        stats = distill(plan, out, cfg, tokenizer, generator, target.eos_token_ids, meta,
-                        progress=not args.no_progress, on_shard=on_shard)
+        if args.replicas:
+            stats = _distill_on_ray(args, plan, out, cfg, meta, dtype.value)
+            on_shard(stats)
+        else:
+            stats = distill(plan, out, cfg, tokenizer, generator, target.eos_token_ids, meta,
+                            progress=not args.no_progress, on_shard=on_shard)
         rate = stats.new_tokens / max(stats.wall_s, 1e-9)
         summary = {"items": stats.items, "turns": stats.turns, "new_tokens": stats.new_tokens,
                    "wall_s": round(stats.wall_s, 2), "tokens_per_s": round(rate, 2),
                    "by_category": stats.by_category, "batch_size": args.batch_size, "backend": generator.name}
         if args.baseline_prompts:
-            one = _generator(args.backend, target, 1, cfg)
+            one = make_generator(args.backend, target, 1, cfg)
             many, base = side_by_side_rates(tokenizer, generator, one, plan, cfg, target.eos_token_ids,
                                             args.baseline_prompts)
             summary |= {"baseline_prompts": args.baseline_prompts, "batched_tokens_per_s": round(many, 2),
@@ -146,6 +150,26 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary))
     print(f"distilled {stats.items} conversations into {out}")
     return 0
+
+
+def _distill_on_ray(args: argparse.Namespace, plan, out: Path, cfg: DistillConfig, meta: dict, dtype: str):
+    """The shards over ``args.replicas`` Ray actors (a local Ray started, and stopped, if no address)."""
+    import ray  # only this path needs Ray
+
+    from cluster.distill_fanout import distill_on_ray
+
+    started = not ray.is_initialized()
+    if started:
+        if args.ray_address:
+            ray.init(address=args.ray_address, log_to_driver=False)
+        else:
+            ray.init(address="local", num_cpus=args.replicas, include_dashboard=False, log_to_driver=False)
+    try:
+        return distill_on_ray(plan, out, cfg, meta, args.replicas, args.model, dtype, args.backend,
+                              args.batch_size, threads=args.threads)
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
