@@ -24,7 +24,8 @@ from speculation.engine.sequence import (
     StepRecord,
     batch_picks,
 )
-from speculation.model.target import ContextLengthError, PrefillForward, SlotState, TargetModel
+from speculation.model.batch_target import BatchTarget, SlotState
+from speculation.model.target import ContextLengthError, PrefillForward
 from speculation.policy.cost import RankAcceptance
 from speculation.policy.goodput import (
     DEFAULT_BATCH_CONTEXTS,
@@ -169,7 +170,9 @@ class BatchEngine:
     Synchronous and single-threaded: call ``add``/``abort``/``step`` from one thread.
 
     Args:
-        target: the in-process target (slot KV pool + batched verify).
+        target: any :class:`~speculation.model.batch_target.BatchTarget` (slot KV pool + batched
+            verify): the in-process :class:`~speculation.model.target.TargetModel` or the Ray
+            :class:`~cluster.batch_backend.RayBatchTarget`.
         drafter_factory: builds one drafter per request (its own state); None = vanilla.
         config: slots, slot size and step budget.
         feedback: optional sink for every sequence's :class:`StepOutcome` (online adaptation).
@@ -184,7 +187,7 @@ class BatchEngine:
 
     def __init__(
         self,
-        target: TargetModel,
+        target: BatchTarget,
         drafter_factory: Callable[[], Drafter] | None,
         config: BatchConfig,
         feedback: FeedbackSink | None = None,
