@@ -47,13 +47,14 @@ import itertools
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cluster.backend import RayTargetBackend, ShardTimeoutError, wait_pipeline
 from speculation.config import BatchLayout
+from speculation.model.batch_target import SlotState
 from speculation.model.target import PrefillForward, TreeForward, check_step_rows, split_step_outputs
 from speculation.spec.tree import DraftTree
 from workers.shard import (
@@ -110,28 +111,6 @@ class ShardCallConfig:
             raise ValueError(f"shard_calls.max_recoveries must be an integer in [0, 100], got {m!r}")
 
 
-@dataclass
-class RaySlotState:
-    """A sequence in a :class:`RaySlotPool` slot (the Ray twin of :class:`~speculation.model.target.SlotState`).
-
-    Attributes:
-        pool: the pool whose slot holds its KV rows on every shard.
-        slot: its slot index, or None once released.
-        length: valid KV rows (committed tokens minus the pending root; + tree rows until commit).
-        tokens: token ids held in those rows (what a re-prefill after a shard fault replays).
-    """
-
-    pool: RaySlotPool
-    slot: int | None
-    length: int = 0
-    tokens: list[int] = field(default_factory=list)
-
-    def held_slot(self) -> int:
-        if self.slot is None:
-            raise ValueError("this sequence was released: its KV slot is gone (prefill a new one)")
-        return self.slot
-
-
 class RaySlotPool:
     """The coordinator's ledger of one KV pool held by every shard: free slots, live sequences,
     and the KV compactions not yet sent."""
@@ -163,6 +142,11 @@ class RaySlotPool:
         self.compactions = [c for c in self.compactions if c.slot != slot]
         self._free.append(slot)
         self._free.sort(reverse=True)
+
+
+RaySlotState = SlotState[RaySlotPool]
+"""A sequence in a :class:`RaySlotPool` slot: the one :class:`~speculation.model.batch_target.SlotState`
+of the in-process target too (same fields, same :class:`ReleasedSequenceError` after release)."""
 
 
 def _drop_pool(shards: tuple, pool_id: str) -> None:
@@ -255,7 +239,7 @@ class RayBatchTarget(RayTargetBackend):
             pool.release(slot)
             raise
         pool.compactions = []
-        state = RaySlotState(pool=pool, slot=slot, length=len(ids), tokens=list(ids))
+        state = SlotState(pool=pool, slot=slot, length=len(ids), tokens=list(ids))
         pool.live[slot] = state
         return state, logits.to_torch(), self._aux(aux_parts) if need_aux else None
 
@@ -273,7 +257,7 @@ class RayBatchTarget(RayTargetBackend):
         if not self.folds_prefills:
             raise RuntimeError("prefills fold into the batched step only when every shard runs flat rows "
                                "(use prefill_slot)")
-        return RaySlotState(pool=pool, slot=pool.acquire(), length=0, tokens=[])
+        return SlotState(pool=pool, slot=pool.acquire(), length=0, tokens=[])
 
     def step_batch(
         self,

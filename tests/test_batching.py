@@ -698,8 +698,8 @@ def test_goodput_engine_learns_that_rejected_drafts_do_not_pay():
     results, updates = _drive(engine, reqs, [0, 0])
     for i, p in enumerate(PROMPTS[1:3]):
         assert results[f"r{i}"].tokens == _solo_vanilla(target, p, 40)
-    assert engine.gain_correction.observed > 0
-    assert engine.gain_correction.factor == GainCorrection.LOW
+    assert engine.budget.gain_correction.observed > 0
+    assert engine.budget.gain_correction.factor == GainCorrection.LOW
     steps = [u.step for u in updates["r0"] if u.step is not None]
     assert steps[0].tree_size > 1 and steps[0].stats["goodput_gain_correction"] == 1.0  # drafts before it learns
     assert sum(s.accepted for s in steps) == 0
@@ -707,7 +707,7 @@ def test_goodput_engine_learns_that_rejected_drafts_do_not_pay():
     assert all(s.stats["goodput_gain_correction"] == GainCorrection.LOW for s in later)
     probes = [i for i, s in enumerate(later) if s.stats["goodput_drafting_probe"]]
     assert all(s.tree_size == 1 for i, s in enumerate(later) if i not in probes)  # no tree but a probe's
-    assert all(later[i].tree_size <= 1 + engine.PROBE_DRAFTS for i in probes)
+    assert all(later[i].tree_size <= 1 + engine.budget.PROBE_DRAFTS for i in probes)
     assert len(probes) >= 3
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert all(b > a for a, b in zip(gaps, gaps[1:])), f"probes that verified nothing must back off: at {probes}"
@@ -760,8 +760,8 @@ def test_goodput_engine_is_exact_and_reports_the_split(kind, layout):
     assert all("goodput_expected_tokens" in s.stats for s in steps)
     assert all(s.tree_size <= s.stats["goodput_row_tokens"] for s in steps)  # rows padded to the largest tree
     # the grid says ~1 s a step; the tiny model takes milliseconds: the correction learns it (clipped)
-    assert engine.cost_correction.observed > 0
-    assert engine.cost_correction.factor == pytest.approx(0.25)
+    assert engine.budget.cost_correction.observed > 0
+    assert engine.budget.cost_correction.factor == pytest.approx(0.25)
     if kind == "dear":
         assert all(s.tree_size == 1 for s in steps)  # speculation turned off: it never pays
     else:
@@ -841,7 +841,7 @@ def test_goodput_skips_drafters_that_propose_nothing_and_probes_them_with_backof
     gaps = [b - a for a, b in zip(drafted, drafted[1:])]
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0], gaps  # the backoff doubles
     assert _SilentRetrieval.proposals == 2 * len(drafted) < len(steps)  # both sequences, on drafted steps only
-    assert engine._probe_every > 1
+    assert engine.budget._probe_every > 1
 
 
 class _SlowRetrieval(_CountingRetrieval):
@@ -905,7 +905,7 @@ def test_goodput_opens_ranks_by_doubling_and_new_sequences_start_from_the_pool()
     assert all(s.tree_size <= 2 for s in first), [s.tree_size for s in first]
     r0 = [u.step.tree_size for u in updates["r0"] if u.step is not None]
     assert max(r0) > 2, r0  # ranks opened as they were verified
-    assert engine.pooled_ranks.explored >= 7
+    assert engine.budget.pooled_ranks.explored >= 7
     late = next(u.step for u in updates["r5"] if u.step is not None)  # joined at step 6
     assert late.tree_size > 2, late.tree_size
 
@@ -1038,14 +1038,14 @@ def test_goodput_vetoes_drafting_that_realises_less_than_plain_steps_and_retests
         assert all(steps[i].tree_size == 1 for i in vetoed)
         counts[extra, veto] = (len(vetoed), retests, engine)
     vetoed, retests, engine = counts[0.06, True]
-    assert engine.payoff.loses and vetoed > 10, (vetoed, engine.payoff.rate)
+    assert engine.budget.payoff.loses and vetoed > 10, (vetoed, engine.budget.payoff.rate)
     assert len(retests) >= 2
     gaps = [b - a for a, b in zip(retests, retests[1:])]
     assert gaps == sorted(gaps), gaps  # re-tests back off while drafting keeps losing
-    assert engine._retest_every > 1
-    assert counts[0.0, True][0] == 0 and not counts[0.0, True][2].payoff.loses  # nothing to veto when drafting pays
+    assert engine.budget._retest_every > 1
+    assert counts[0.0, True][0] == 0 and not counts[0.0, True][2].budget.payoff.loses  # nothing to veto when drafting pays
     # payoff_veto false (the A/B baseline): the same losing drafts are measured, never vetoed
-    assert counts[0.06, False][0] == 0 and not counts[0.06, False][1] and counts[0.06, False][2].payoff.loses
+    assert counts[0.06, False][0] == 0 and not counts[0.06, False][1] and counts[0.06, False][2].budget.payoff.loses
     with pytest.raises(ConfigError, match="batch.payoff_veto must be true or false"):
         BatchConfig(payoff_veto="yes")
 

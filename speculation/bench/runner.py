@@ -27,7 +27,7 @@ from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedu
 from speculation.bench.peers import Peer, parse_peers, peer_stats, reset_peer_stats, run_hf_batched, run_peer
 from speculation.config import BenchConfig, EngineConfig, to_dict
 from speculation.drafters import Drafter, DrafterType, MethodSpec, Reportable, build_drafter, resolve_methods
-from speculation.engine.batch import DraftingCheck
+from speculation.spec.step import DraftingCheck
 from speculation.engine.sequence import GenerationResult, TargetBackend
 from speculation.engine.solo import generate_speculative, generate_vanilla
 from speculation.model.target import TargetModel

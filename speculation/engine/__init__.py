@@ -20,5 +20,6 @@ Modules:
 
 * :mod:`speculation.engine.sequence`: one sequence's step, the TargetBackend protocol, step records.
 * :mod:`speculation.engine.solo`: the batch-1 loops, generate_vanilla and generate_speculative.
-* :mod:`speculation.engine.batch`: continuous batching, BatchEngine and its requests.
+* :mod:`speculation.engine.batch`: continuous batching, BatchEngine and its requests (scheduling
+  only: how much to draft is :class:`~speculation.policy.draft_budget.DraftBudgetPolicy`'s).
 """

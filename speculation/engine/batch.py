@@ -5,7 +5,6 @@ live sequence, verifies them all in one target forward and settles each sequence
 from __future__ import annotations
 
 import collections
-import enum
 import functools
 import time
 from collections.abc import Callable
@@ -24,21 +23,11 @@ from speculation.engine.sequence import (
     StepRecord,
     batch_picks,
 )
-from speculation.model.target import ContextLengthError, PrefillForward, SlotState, TargetModel
-from speculation.policy.cost import RankAcceptance
-from speculation.policy.goodput import (
-    DEFAULT_BATCH_CONTEXTS,
-    BatchCostModel,
-    CostCorrection,
-    Split,
-    exploration_cap,
-    GainCorrection,
-    HostOverhead,
-    RealisedPayoff,
-    measure_batch_cost,
-    split_budget,
-    step_context,
-)
+from speculation.model.batch_target import BatchTarget, SlotState
+from speculation.model.target import ContextLengthError, PrefillForward
+from speculation.policy.draft_budget import DraftBudgetConfig, DraftBudgetPolicy, SequenceBudget
+from speculation.policy.goodput import DEFAULT_BATCH_CONTEXTS, BatchCostModel, measure_batch_cost
+from speculation.spec.step import DraftingCheck, StepResult  # noqa: F401  (DraftingCheck: re-exported)
 from speculation.spec.tree import DraftTree
 
 
@@ -115,37 +104,10 @@ class _Live:
     request: Request
     seq: DecodingSequence
     state: SlotState
-    ranks: RankAcceptance
-    draft_size: float | None = None
-    """EMA of the draft nodes (root excluded) this sequence's drafter proposed when called; None
-    until it has drafted once (the pre-drafting check then assumes a full tree)."""
+    budget: SequenceBudget
+    """What the draft budget policy knows of this sequence (acceptance by rank, recent tree size)."""
     prompt_aux: list[torch.Tensor] = field(default_factory=list)
     """A chunked prefill's aux features of the chunks run so far (each ``[c, 3H]``), when its drafter reads them."""
-
-    SIZE_DECAY = 0.8
-
-    def observe_draft_size(self, n: int) -> None:
-        """``draft_size <- SIZE_DECAY * draft_size + (1 - SIZE_DECAY) * n`` (the first one replaces None)."""
-        self.draft_size = float(n) if self.draft_size is None else (
-            self.SIZE_DECAY * self.draft_size + (1.0 - self.SIZE_DECAY) * n)
-
-
-class DraftingCheck(str, enum.Enum):
-    """The goodput rule's verdict before drafting (:meth:`BatchEngine._drafting_check`)."""
-
-    DRAFT = "draft"
-    """Some sequence's expected tree has a draft node that pays: call the drafters."""
-    SKIP = "skip"
-    """No draft node pays: every :class:`~speculation.drafters.base.SkippableDrafter` sits out."""
-    PROBE = "probe"
-    """Only the expected tree sizes said skip (full trees would pay): draft anyway, to re-measure
-    the sizes; probes back off by doubling while they keep verifying nothing."""
-    VETO = "veto"
-    """The rule would draft, but drafted steps have realised less than plain ones
-    (:class:`~speculation.policy.goodput.RealisedPayoff`): sit out as on SKIP."""
-    RETEST = "retest"
-    """A vetoed step that drafts anyway, as DRAFT would, to re-measure the realised payoff;
-    re-tests back off by doubling while drafting keeps losing."""
 
 
 class BatchEngine:
@@ -169,22 +131,27 @@ class BatchEngine:
     Synchronous and single-threaded: call ``add``/``abort``/``step`` from one thread.
 
     Args:
-        target: the in-process target (slot KV pool + batched verify).
+        target: any :class:`~speculation.model.batch_target.BatchTarget` (slot KV pool + batched
+            verify): the in-process :class:`~speculation.model.target.TargetModel` or the Ray
+            :class:`~cluster.batch_backend.RayBatchTarget`.
         drafter_factory: builds one drafter per request (its own state); None = vanilla.
         config: slots, slot size and step budget.
         feedback: optional sink for every sequence's :class:`StepOutcome` (online adaptation).
         cost_model: c(B, t, L) for the goodput rule (``config.goodput``); measured on ``target`` at
             construction when None (:func:`speculation.policy.goodput.measure_batch_cost`), then rescaled
-            every step by :attr:`cost_correction` (measured / predicted forward seconds).
+            every step by the policy's cost correction (measured / predicted forward seconds).
 
-    With ``config.goodput`` the drafted trees are cut by :func:`speculation.policy.goodput.split_budget`
-    (each sequence's share may be zero drafts); :attr:`last_split` and every step record's
+    The engine schedules only: whether to draft and how many draft nodes each tree verifies is
+    :attr:`budget`'s (:class:`~speculation.policy.draft_budget.DraftBudgetPolicy`, the goodput
+    rule with ``config.goodput``; each sequence's share may be zero drafts), handed over as a
+    :class:`~speculation.spec.step.StepPlan`, and the policy learns from the step's
+    :class:`~speculation.spec.step.StepResult`. :attr:`last_split` and every step record's
     ``stats["tree_budget"]`` (tree tokens granted, root included) report the split.
     """
 
     def __init__(
         self,
-        target: TargetModel,
+        target: BatchTarget,
         drafter_factory: Callable[[], Drafter] | None,
         config: BatchConfig,
         feedback: FeedbackSink | None = None,
@@ -211,26 +178,11 @@ class BatchEngine:
             # ones were priced 0.20 s against 0.30 s measured)
             contexts = sorted({min(c, room) for c in DEFAULT_BATCH_CONTEXTS})
             cost_model = measure_batch_cost(target, sizes, contexts=contexts)
-        self.cost_model = cost_model
-        self.cost_correction = CostCorrection()
-        """Measured / predicted forward seconds (EMA) that rescales the goodput rule's c(B, t, L)."""
-        self.drafting_s = 0.0
-        """EMA of a drafted step's drafting seconds (all sequences): what the pre-drafting check prices."""
-        self.gain_correction = GainCorrection()
-        """Realised / expected extra tokens of drafted steps (EMAs): scales the acceptance estimates."""
-        self.host_overhead = HostOverhead()
-        """Host seconds of a step outside forward and drafting, with and without drafts verified:
-        what verifying drafts adds is priced by the goodput rule (``verify_overhead_s``)."""
-        self._skips_since_draft = 0
-        self._probe_every = 1
-        """Steps skipped on expected sizes before a probe (1, 2, 4, ... up to :attr:`MAX_PROBE_EVERY`)."""
-        self.payoff = RealisedPayoff()
-        """Realised rate of drafted against plain steps: vetoes drafting while drafted steps lose."""
-        self._vetoes_since_draft = 0
-        self._retest_every = 1
-        """Vetoed steps before a re-test (1, 2, 4, ... up to :attr:`MAX_PROBE_EVERY`)."""
-        self.pooled_ranks = RankAcceptance(config.max_tree_tokens)
-        """Acceptance by rank over every sequence's verified trees: a new sequence's starting estimate."""
+        self.budget = DraftBudgetPolicy(
+            DraftBudgetConfig(config.max_tree_tokens, config.step_token_budget, config.payoff_veto),
+            cost_model if config.goodput else None)
+        """The draft budget policy: whether to draft and how many draft nodes each tree verifies
+        (the goodput rule with ``config.goodput`` and a cost model; every estimator lives there)."""
         if config.prefill_chunk_tokens is not None and not target.folds_prefills:
             raise ValueError("batch.prefill_chunk_tokens needs a target that continues a prompt in its slot "
                              "(folds_prefills: the lean FLAT forward, in process or on every shard); this one "
@@ -357,7 +309,7 @@ class BatchEngine:
     def _arrive(self, request: Request) -> _Live:
         """A request whose prompt this step's forward prefills (into an empty slot)."""
         seq = self._new_sequence(request)
-        return _Live(request, seq, self.target.empty_slot(self.pool), self.pooled_ranks.copy())
+        return _Live(request, seq, self.target.empty_slot(self.pool), self.budget.new_sequence())
 
     def _admit(self, request: Request) -> list[int]:
         """Prefill ``request`` in its own forward (the unfolded path), choose its first token."""
@@ -372,7 +324,7 @@ class BatchEngine:
             self.target.release_slot(state)
             self._retired[request.request_id] = seq
         else:
-            self._live[request.request_id] = _Live(request, seq, state, self.pooled_ranks.copy())
+            self._live[request.request_id] = _Live(request, seq, state, self.budget.new_sequence())
         return kept
 
     def _tree_caps(self, lives: list[_Live]) -> list[int]:
@@ -380,159 +332,30 @@ class BatchEngine:
         goodput rule, a step budget is split equally)."""
         cfg = self.config
         caps = [min(cfg.max_tree_tokens, self.pool.max_tokens - lv.state.length) for lv in lives]
-        if cfg.step_token_budget is not None and not self._goodput:
+        if cfg.step_token_budget is not None and not self.budget.active:
             share = max(1, cfg.step_token_budget // len(lives))
             caps = [min(c, share) for c in caps]
         return caps
 
-    @property
-    def _goodput(self) -> bool:
-        return self.config.goodput and self.cost_model is not None
-
-    def _split(self, lives: list[_Live], drafts: list[int], drafting_s: float, spent: bool = True,
-               corrected: bool = True) -> Split:
-        """The goodput split of this step when sequence b can verify ``drafts[b]`` draft nodes
-        (cut to :func:`~speculation.policy.goodput.exploration_cap`) and drafting costs ``drafting_s``
-        (``spent``: already paid, or, before drafting, paid only by a split that verifies drafts).
-        ``corrected``: acceptance estimates scaled by :attr:`gain_correction` (False: as estimated,
-        what a probe tests)."""
-        assert self.cost_model is not None
-        room = [min(n, exploration_cap(lv.ranks.explored)) for lv, n in zip(lives, drafts)]
-        scale = self.gain_correction.scale if corrected else list
-        return split_budget([scale(lv.ranks.estimate(n)) for lv, n in zip(lives, room)], room, self.cost_model,
-                            budget=self.config.step_token_budget, drafting_s=drafting_s,
-                            contexts=[lv.state.length for lv in lives], correction=self.cost_correction.factor,
-                            drafting_spent=spent, verify_overhead_s=self.host_overhead.extra_s)
-
-    MAX_PROBE_EVERY = 64
-    PROBE_DRAFTS = 1
-    """Draft nodes a probe may verify per sequence (its best one)."""
-
-    def _drafting_check(self, lives: list[_Live], caps: list[int]) -> DraftingCheck:
-        """Before drafting: could any draft node pay this step, drafting included?
-
-        * expected: ``min(cap - 1, round(draft_size))`` draft nodes per sequence (what its drafter
-          proposed lately; a retrieval drafter often proposes a few nodes or none), priced with
-          the EMA of past drafted steps' drafting seconds (:attr:`drafting_s`), which the vanilla
-          split would not spend. A split that verifies some of them: DRAFT.
-        * full: ``cap - 1`` draft nodes drafted for free, on the uncorrected estimates. A split that
-          verifies nothing even then: SKIP (no tree the drafter may propose can pay, whatever
-          drafting costs).
-        * Otherwise the corrected estimates say skip: a tree smaller than the cap, drafting dearer
-          than what the drafts are expected to gain (a neural drafter's forwards on a CPU), or
-          estimates that the realised gains scaled down (:attr:`gain_correction`). They are not
-          re-measured while drafting is skipped, so every ``probe_every``-th such step drafts
-          anyway (PROBE) and verifies what the uncorrected estimates grant of each sequence's best
-          :attr:`PROBE_DRAFTS` draft node(s); a probe that did not
-          pay in realised tokens (:meth:`_after_verify`) doubles ``probe_every`` (up to
-          :attr:`MAX_PROBE_EVERY`), a drafted step that paid resets it to 1.
-
-        With ``config.payoff_veto``, a DRAFT verdict is then checked against what drafting realised
-        (:attr:`payoff`, measured either way): while
-        drafted steps have served fewer tokens per second than plain ones, it becomes VETO (sit
-        out), except every ``retest_every``-th such step, RETEST (draft as DRAFT would, and
-        re-measure); a re-test after which drafting still loses doubles ``retest_every`` (up to
-        :attr:`MAX_PROBE_EVERY`), one after which it no longer does resets it to 1.
-        """
-        full = [c - 1 for c in caps]
-        expected = [f if lv.draft_size is None else min(f, round(lv.draft_size)) for lv, f in zip(lives, full)]
-        if any(self._split(lives, expected, self.drafting_s, spent=False).drafts):
-            if not (self.config.payoff_veto and self.payoff.loses):
-                return DraftingCheck.DRAFT
-            self._vetoes_since_draft += 1
-            return DraftingCheck.RETEST if self._vetoes_since_draft > self._retest_every else DraftingCheck.VETO
-        if not any(self._split(lives, full, 0.0, corrected=False).drafts):
-            return DraftingCheck.SKIP
-        self._skips_since_draft += 1
-        return DraftingCheck.PROBE if self._skips_since_draft > self._probe_every else DraftingCheck.SKIP
-
-    def _after_drafting(self, lives: list[_Live], proposed: list[tuple[DraftTree, Proposal | None, float]]) -> None:
-        """Book a drafted step: drafting seconds (EMA) and proposed sizes."""
-        spent = sum(p[2] for p in proposed)
-        self.drafting_s = spent if self.drafting_s == 0.0 else 0.9 * self.drafting_s + 0.1 * spent
-        for lv, (tree, proposal, _) in zip(lives, proposed):
-            if proposal is not None:
-                lv.observe_draft_size(len(tree) - 1)
-        self._skips_since_draft = 0
-        self._vetoes_since_draft = 0
-
-    def _after_verify(self, check: DraftingCheck, batch: int, split: Split, expected: float,
-                      accepted: int, forward_s: float, drafting_s: float, vanilla_s: float) -> None:
-        """Book a drafted step's realised outcome: the gain correction (``expected`` accepted draft
-        nodes on the raw estimates against ``accepted``), and the probe backoff. The step paid when
-        it accepted a draft node and its realised tokens per second beat the vanilla split's
-        predicted ones (``vanilla_s`` = c(B, 1, L), the grid at the step's batch and context)::
-
-            accepted > 0  and  (B + accepted) / (forward_s + drafting_s)  >  B / (k c(B, 1, L))
-
-        A drafted step that accepted nothing served the B tokens a plain step serves, at a plain
-        step's forward or more plus the drafting: it never paid, whatever the prediction says (a
-        correction clipped at its floor overprices the vanilla step, and timing noise alone then
-        read such probes as paid and reset the backoff).
-        """
-        if sum(split.drafts):
-            self.gain_correction.observe(expected, float(accepted))
-        B = batch
-        vanilla = self.cost_correction.factor * vanilla_s
-        paid = accepted > 0 and (B + accepted) / max(forward_s + drafting_s, 1e-9) > B / vanilla
-        if paid:
-            self._probe_every = 1
-        elif check is DraftingCheck.PROBE:
-            self._probe_every = min(2 * self._probe_every, self.MAX_PROBE_EVERY)
-
-    def _after_step(self, check: DraftingCheck, verified_drafts: bool, tokens: int, step_s: float,
-                    vanilla_s: float, batch: int) -> None:
-        """Book the step's realised rate (:attr:`payoff`) and the re-test backoff."""
-        self.payoff.observe(verified_drafts, tokens, step_s, vanilla_s, batch)
-        if check is DraftingCheck.RETEST:
-            losing = self.payoff.loses
-            self._retest_every = min(2 * self._retest_every, self.MAX_PROBE_EVERY) if losing else 1
-
     def _verify_step(self, prefill_tokens: dict[str, list[int]], arriving: list[_Live]) -> list[SequenceUpdate]:
-        """Draft, split, ONE forward (every live tree, and the ``arriving`` prompts' prefills when
-        they fold in), accept and commit per sequence, then start the arrived sequences."""
+        """Ask the policy whether to draft, draft, ask it how many draft nodes each tree keeps (a
+        :class:`~speculation.spec.step.StepPlan`), ONE forward (every live tree, and the
+        ``arriving`` prompts' prefills when they fold in), accept and commit per sequence, report
+        the :class:`~speculation.spec.step.StepResult` to the policy, then start the arrived sequences."""
         t_step = time.perf_counter()
         lives = list(self._live.values())
+        seqs = [lv.budget for lv in lives]
+        contexts = [lv.state.length for lv in lives]
         caps = self._tree_caps(lives)
-        check = self._drafting_check(lives, caps) if self._goodput and lives else DraftingCheck.DRAFT
-        skip = check in (DraftingCheck.SKIP, DraftingCheck.VETO)
-        proposed = _propose_batch([lv.seq for lv in lives], caps, skip=skip)
+        check = self.budget.check(seqs, contexts, caps)
+        proposed = _propose_batch([lv.seq for lv in lives], caps, skip=check.skips)
         trees = [p[0] for p in proposed]
-        split_stats: dict[str, float] = {}
-        split: Split | None = None
-        drafted = False
-        expected = 0.0
-        vanilla_s = 0.0
-        if self._goodput and lives:
-            assert self.cost_model is not None
-            probe = check is DraftingCheck.PROBE
-            # a probe tests the uncorrected estimates on each sequence's best draft node only: the
-            # cheapest step that re-measures them (a probe granted whole trees on raw estimates
-            # verified 43 tokens for 2 extra at B = 8)
-            room = [min(len(t) - 1, self.PROBE_DRAFTS) if probe else len(t) - 1 for t in trees]
-            if check is DraftingCheck.VETO:  # a drafter that cannot sit out drafted anyway: verify none of it
-                room = [0] * len(trees)
-            split = self._split(lives, room, sum(p[2] for p in proposed), corrected=not probe)
-            # the grid's c(B, 1, L): the vanilla price a drafted step and the realised payoff are judged by
-            vanilla_s = self.cost_model.cost(len(lives), 1, step_context(self.cost_model.layout,
-                                                                         [lv.state.length for lv in lives]))
-            drafted = not skip and any(p[1] is not None for p in proposed)
-            if drafted:
-                self._after_drafting(lives, proposed)
-            expected = sum(sum(lv.ranks.estimate(n)[:n]) for lv, n in zip(lives, split.drafts))
-            trees = [t.pruned_to(n) for t, n in zip(trees, split.drafts)]
-            caps = [n + 1 for n in split.drafts]
-            split_stats = {"goodput_expected_tokens": split.expected_tokens,
-                           "goodput_predicted_s": split.predicted_s,
-                           "goodput_predicted_forward_s": split.forward_s,
-                           "goodput_row_tokens": float(split.row_tokens),
-                           "goodput_cost_correction": self.cost_correction.factor,
-                           "goodput_verify_overhead_s": self.host_overhead.extra_s,
-                           "goodput_gain_correction": self.gain_correction.factor,
-                           "goodput_drafting_skipped": float(skip),
-                           "goodput_drafting_probe": float(check is DraftingCheck.PROBE),
-                           "goodput_drafting_vetoed": float(check is DraftingCheck.VETO),
-                           "goodput_drafting_retest": float(check is DraftingCheck.RETEST)}
+        drafting_s = sum(p[2] for p in proposed)
+        plan = self.budget.plan(check, seqs, contexts, [len(t) - 1 for t in trees],
+                                [p[1] is not None for p in proposed], drafting_s)
+        if plan.drafts is not None:
+            trees = [t.pruned_to(n) for t, n in zip(trees, plan.drafts)]
+            caps = [n + 1 for n in plan.drafts]
         self.last_split = {lv.request.request_id: len(t) for lv, t in zip(lives, trees)}
         need_aux = any(lv.seq.needs_aux for lv in (*lives, *arriving))
         tb = time.perf_counter()
@@ -551,36 +374,25 @@ class BatchEngine:
             raise
         forward_s = time.perf_counter() - tb
         prompt_tokens = sum(len(chunk) for _, chunk in prompts)
-        if split is not None and not arriving:  # the grid's prediction (uncorrected) against the forward
-            self.cost_correction.observe(split.forward_s / self.cost_correction.factor, forward_s)
         stats = {"batch_size": float(len(lives)), "batch_tree_tokens": float(sum(len(t) for t in trees)),
-                 "batch_prefill_tokens": float(prompt_tokens), **split_stats}
+                 "batch_prefill_tokens": float(prompt_tokens), **plan.stats}
         updates = []
         picks = batch_picks([lv.seq for lv in lives], fwds)
         for lv, cap, tree, (_, proposal, draft_s), fwd, pick in zip(lives, caps, trees, proposed, fwds, picks):
             commit = functools.partial(self.target.commit_slot, lv.state)
             kept, rec = lv.seq.settle(tree, fwd, pick, commit, proposal, draft_s, forward_s,
                                       {**stats, "tree_budget": float(cap)})
-            if self._goodput:  # the estimates feed only the goodput split
-                lv.ranks.observe(tree, lv.seq.last_accepted)
-                self.pooled_ranks.observe(tree, lv.seq.last_accepted)
             rid = lv.request.request_id
             if lv.seq.finished is not None:
                 self.target.release_slot(lv.state)
                 del self._live[rid]
                 self._retired[rid] = lv.seq
             updates.append(SequenceUpdate(rid, prefill_tokens.get(rid, []) + kept, lv.seq.finished, rec))
-        accepted = sum(lv.seq.steps[-1].accepted for lv in lives) if split is not None else 0
-        if drafted and split is not None:
-            self._after_verify(check, len(lives), split, expected, accepted, forward_s, sum(p[2] for p in proposed),
-                               vanilla_s)
-        step_s = time.perf_counter() - t_step
-        host_s = step_s - forward_s - sum(p[2] for p in proposed)
-        verified_drafts = any(len(t) > 1 for t in trees)
-        if lives:
-            self.host_overhead.observe(verified_drafts, max(0.0, host_s))
-        if split is not None and not arriving:
-            self._after_step(check, verified_drafts, len(lives) + accepted, step_s, vanilla_s, len(lives))
+        self.budget.observe(plan, StepResult(
+            trees=tuple(trees), paths=tuple(lv.seq.last_accepted for lv in lives),
+            accepted=tuple(lv.seq.steps[-1].accepted for lv in lives), forward_s=forward_s,
+            drafting_s=drafting_s, started=t_step, folded_prefills=bool(arriving)), seqs)
+
         for a, start in zip(arriving, starts):
             rid = a.request.request_id
             if a.state.length < len(a.seq.prompt_ids):  # a chunk: the prompt goes on next step

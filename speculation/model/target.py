@@ -26,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
 from speculation.config import BatchLayout, ConfigError
+from speculation.model.batch_target import ReleasedSequenceError, SlotState
 from speculation.model.kv_reserve import reserve_rows
 from speculation.model.lean_forward import LeanDecoder, RaggedRows
 from speculation.model.tree_attention import (
@@ -53,10 +54,6 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-class ReleasedSequenceError(ValueError):
-    """A target call on a sequence whose KV cache was already released."""
-
-
 @dataclass
 class TargetState:
     """Per-sequence target state: the KV cache (None once released) and how many tokens it holds."""
@@ -65,28 +62,6 @@ class TargetState:
     length: int = 0
     tokens: list[int] = field(default_factory=list)
     """Token ids held in the KV cache (the committed text minus the pending root)."""
-
-
-@dataclass
-class SlotState:
-    """A sequence in a :class:`~speculation.model.kv_slots.KVSlotPool` slot (continuous batching).
-
-    Attributes:
-        pool: the pool that holds its KV rows.
-        slot: its slot index, or None once released.
-        length: valid KV rows (committed tokens minus the pending root; + tree rows until commit).
-        tokens: token ids held in those rows.
-    """
-
-    pool: KVSlotPool
-    slot: int | None
-    length: int = 0
-    tokens: list[int] = field(default_factory=list)
-
-    def held_slot(self) -> int:
-        if self.slot is None:
-            raise ReleasedSequenceError("this sequence was released: its KV slot is gone (prefill a new one)")
-        return self.slot
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ t = 1 .. 1 + max cap and keeps the best G. ``n_b = 0`` (a tree of one token: pla
 that sequence) happens whenever its q's do not pay, and t = 1 (batched vanilla) is always a
 candidate, so speculation is never chosen at a predicted loss.
 
-Three guards around the rule, all in :class:`~speculation.engine.batch.BatchEngine`:
+Three guards around the rule, all in :class:`~speculation.policy.draft_budget.DraftBudgetPolicy`
+(which :class:`~speculation.engine.batch.BatchEngine` asks every step):
 
 - **Draft at all?** Before drafting, the engine runs the rule on the trees it expects, with
   drafting *not yet spent*: a split that verifies drafts pays ``d`` (the EMA of past drafting
@@ -306,7 +307,7 @@ def exploration_cap(explored: int) -> int:
     An unverified rank's posterior mean is the uninformed 1/2 (:class:`~speculation.policy.cost.RankAcceptance`),
     so without the cap a fresh engine's first step would verify every rank of every tree at 1/2, the
     most expensive step it can take, on no evidence. New sequences start from the engine's pooled
-    estimate (:class:`~speculation.engine.batch.BatchEngine`), so the doubling is paid once per engine."""
+    estimate (:class:`~speculation.policy.draft_budget.DraftBudgetPolicy`), so the doubling is paid once per engine."""
     return 2 * max(explored, 0) + 1
 
 

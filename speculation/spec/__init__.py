@@ -1,3 +1,4 @@
 """The speculative-decoding algorithm: the draft tree, batched argmax / top-k picks over its
-logits, and greedy and lossless stochastic acceptance.
+logits, greedy and lossless stochastic acceptance, and the plain data a batched step hands between
+scheduler, budget policy and verifier (:mod:`speculation.spec.step`).
 """
