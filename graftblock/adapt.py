@@ -71,7 +71,9 @@ from typing import Any
 
 import yaml
 
+from graftblock.common import add_json_arg, check_threads, json_path, load_yaml
 from speculation.config import ConfigError
+from speculation.model.target import load_target
 
 PHASE_CATEGORIES: dict[str, tuple[str, ...]] = {
     "chat": ("writing", "roleplay", "humanities", "stem"),
@@ -317,7 +319,7 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"{HARMFUL_POLICY}: index of the request (0-based, over the whole stream) before which the "
                         "harmful update is published (default: the middle of the first phase)")
     p.add_argument("--harmful-seed", type=int, default=0, help=f"{HARMFUL_POLICY}: seed of the head's row permutation")
-    p.add_argument("--json", required=True, help="where to write the result JSON")
+    add_json_arg(p, "adapt-bench")
     p.add_argument("--no-mlflow", action="store_true")
     p.add_argument("--tracking-uri", default=None)
     p.add_argument("--experiment", default="graftblock-adapt")
@@ -454,7 +456,6 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     from adaptation.feedback import BufferConfig, FeedbackSink
     from adaptation.online import OnlineConfig
     from adaptation.rollback import GuardConfig, shuffled_head
-    from graftblock.cli import _load_target, _load_yaml
     from speculation.config import EngineConfig, SamplingConfig
     from speculation.drafters import build_drafter, resolve_methods
     from speculation.engine.solo import generate_speculative
@@ -463,17 +464,17 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
     turns = stream_questions(stream_spec, strict_categories=bool(args.stream))  # fail on a short phase before loading anything
     arms = load_arms(args.config_arms) if CONFIG_POLICY in policies else []
     config_bandit = ConfigBanditConfig(ucb_scale=args.config_ucb_scale, full_information=not args.no_full_information)
-    if args.threads:
+    if check_threads(args):
         torch.set_num_threads(args.threads)
     log = None
     if not args.no_mlflow:
         from tracking.adaptation import AdaptationLog
 
         log = AdaptationLog(args.experiment, args.tracking_uri)
-    target = _load_target(args.model, args.dtype)
+    target = load_target(args.model, args.dtype)
     stream = _encode(target.tokenizer, turns, args.max_prompt_tokens)
     weight_policies = [p for p in policies if p != CONFIG_POLICY]  # harmful included: static's weights
-    spec = resolve_methods([args.drafter], _load_yaml(args.config))[0] if weight_policies else None
+    spec = resolve_methods([args.drafter], load_yaml(args.config))[0] if weight_policies else None
     engine = EngineConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=True, sampling=SamplingConfig(temperature=0.0))
     base = dict(
         decide_every_steps=args.decide_every_steps, horizon_s=args.horizon_s, fixed_budget=args.fixed_budget,
@@ -547,7 +548,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
             for r in runs), flush=True)
 
     result = _summarise(args, runs, stream_spec, budgets)
-    out = Path(args.json)
+    out = json_path(args, "adapt-bench")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot = plot_tau(result, out.with_name(f"{out.stem}_tau.png"))
@@ -608,7 +609,8 @@ def _command(args: argparse.Namespace) -> str:
             continue
         flag = f"--{k.replace('_', '-')}"
         parts.append(flag if v is True else f"{flag} {shlex.quote(str(v))}")
-    parts.append(f"--json {shlex.quote(str(args.json))}")
+    if args.json:
+        parts.append(f"--json {shlex.quote(str(args.json))}")
     return " ".join(parts)
 
 
