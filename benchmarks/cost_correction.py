@@ -35,13 +35,19 @@ from pathlib import Path
 
 import torch
 
+from speculation import assets
+from speculation.bench.runner import emit_json, environment
+from speculation.config import EngineConfig, RetrievalConfig, SamplingConfig
+from speculation.drafters.retrieval import RetrievalDrafter
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.model.target import TargetModel
+from speculation.policy.cost import OnlineCostModel, measure_cost_model
+
 ARMS = ("vanilla", "clean", "disturbed_frozen", "disturbed_online")
 
 
 def _measure(target, size: int, burners: int):
     """c(T, L) measured now, with ``burners`` busy-loop processes running (0 = none)."""
-    from speculation.policy.cost import measure_cost_model
-
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
     try:
         if procs:
@@ -70,14 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--questions must be in [1, 10], got {args.questions}")
     if not 1 <= args.burners <= 16:
         ap.error(f"--burners must be in [1, 16], got {args.burners}")
-
-    from speculation import assets
-    from speculation.bench.runner import emit_json, environment
-    from speculation.config import EngineConfig, RetrievalConfig, SamplingConfig
-    from speculation.policy.cost import OnlineCostModel
-    from speculation.drafters.retrieval import RetrievalDrafter
-    from speculation.engine.solo import generate_speculative, generate_vanilla
-    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
     target = TargetModel(model, tok)

@@ -24,6 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from speculation import assets
+from speculation.bench.runner import emit_json, environment
+from speculation.model.target import load_target
+
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul")
 ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::bmm", "aten::baddbmm")
@@ -58,15 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from graftblock.cli import _load_target
-    from speculation import assets
-    from speculation.bench.runner import emit_json, environment
-
     torch.set_num_threads(args.threads)
-    target = _load_target(args.model, args.dtype)
+    target = load_target(args.model, args.dtype)
     prompt = assets.encode_turn(target.tokenizer, [], assets.load_questions("spec_bench", 1)[0].turns[0])
 
     baseline = None

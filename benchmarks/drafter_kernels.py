@@ -20,15 +20,23 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from torch import nn
+
+from speculation import assets
+from speculation.bench.runner import emit_json, environment
+from speculation.config import Eagle3Config, EngineConfig, SamplingConfig, SpecBlockConfig
+from speculation.drafters.eagle3 import build_eagle3_drafter
+from speculation.drafters.specblock import build_specblock_drafter
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.model.output_head import PackedLinear
+from speculation.model.target import load_target
 
 ARMS = ("linear", "packed")
 
 
 def _unpacked(network: nn.Module) -> nn.Module:
     """A copy of ``network`` whose packed linear layers are plain ``nn.Linear`` (same values)."""
-    from speculation.model.output_head import PackedLinear
-
     plain = copy.deepcopy(network)
     for parent in list(plain.modules()):
         for name, child in list(parent.named_children()):
@@ -50,17 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    import torch
-
-    from graftblock.cli import _load_target
-    from speculation import assets
-    from speculation.bench.runner import emit_json, environment
-    from speculation.config import EngineConfig, Eagle3Config, SamplingConfig, SpecBlockConfig
-    from speculation.drafters.eagle3 import build_eagle3_drafter
-    from speculation.drafters.specblock import build_specblock_drafter
-    from speculation.engine.solo import generate_speculative, generate_vanilla
-    from speculation.model.output_head import PackedLinear
-
     builders = {"eagle3": lambda t: build_eagle3_drafter(Eagle3Config(), t),
                 "specblock": lambda t: build_specblock_drafter(SpecBlockConfig(), t)}
     names = [n.strip() for n in args.drafters.split(",") if n.strip()]
@@ -68,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not names:
         ap.error(f"--drafters takes a comma list of {sorted(builders)}, got {args.drafters!r}")
     torch.set_num_threads(args.threads)
-    target = _load_target(args.model, args.dtype)
+    target = load_target(args.model, args.dtype)
     questions = assets.load_questions("spec_bench", args.questions)
     prompts = [assets.encode_turn(target.tokenizer, [], q.turns[0]) for q in questions]
     cfg = EngineConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=True, sampling=SamplingConfig(temperature=0.0))

@@ -30,7 +30,14 @@ import dataclasses
 import statistics
 import sys
 
+import torch
+
+from speculation import assets
 from speculation.bench import ab
+from speculation.bench.runner import emit_json, environment, run_concurrency
+from speculation.config import BenchConfig, DType, EngineConfig, SamplingConfig
+from speculation.engine.solo import generate_vanilla
+from speculation.model.target import load_target
 
 FOLD_ARMS = {"folded": {"fold_prefills": True}, "unfolded": {"fold_prefills": False}}
 FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s")
@@ -71,16 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   "prefill_step_tokens": args.step_budget},
                 "whole": {}}
 
-    import torch
-
-    from graftblock.cli import _load_target
-    from speculation import assets
-    from speculation.bench.runner import emit_json, environment, run_concurrency
-    from speculation.config import BenchConfig, DType, EngineConfig, SamplingConfig
-    from speculation.engine.solo import generate_vanilla
-
     torch.set_num_threads(args.threads)
-    target = _load_target(args.model, args.dtype)
+    target = load_target(args.model, args.dtype)
     if not target.folds_prefills and not (args.veto or args.against_vanilla):
         ap.error(f"{args.model} in {args.dtype} does not run the flat batch here: nothing folds")
     questions = assets.load_questions("spec_bench", args.questions)

@@ -33,11 +33,15 @@ from pathlib import Path
 
 import torch
 
+from speculation import assets
+from speculation.bench.runner import environment
+from speculation.config import BatchConfig, SamplingConfig
+from speculation.drafters import build_drafter, resolve_methods
+from speculation.engine.batch import BatchEngine, Request
+from speculation.model.target import TargetModel
+
 
 def _run(target, factory, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[dict], object]:
-    from speculation.config import BatchConfig, SamplingConfig
-    from speculation.engine.batch import BatchEngine, Request
-
     slot = max(len(p) for p in prompts) + max_new_tokens + 1
     engine = BatchEngine(target, factory, BatchConfig(max_sequences=len(prompts), max_tokens_per_sequence=slot,
                                                       goodput=factory is not None))
@@ -95,11 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.sequences <= 26:
         ap.error(f"--sequences must be in [1, 26] (two Spec-Bench questions per category), got {args.sequences}")
-
-    from speculation import assets
-    from speculation.bench.runner import environment
-    from speculation.drafters import build_drafter, resolve_methods
-    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
     target = TargetModel(model, tok)

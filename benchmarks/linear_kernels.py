@@ -22,13 +22,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speculation import assets
+from speculation.bench.runner import emit_json, environment, median_call_s
+from speculation.config import EngineConfig, SamplingConfig
+from speculation.drafters import build_drafter, resolve_methods
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.model.output_head import PackedLinear, TransposedHead, onednn_available
+from speculation.model.target import TargetModel
+
 ARMS = ("linear", "transposed_head", "packed")
 
 
 def _arms(model: nn.Module) -> dict[str, dict[tuple[nn.Module, str], nn.Module]]:
     """Per arm, the module to put at each (parent, child name) holding a linear layer."""
-    from speculation.model.output_head import PackedLinear, TransposedHead
-
     head = model.get_output_embeddings()
     out: dict[str, dict[tuple[nn.Module, str], nn.Module]] = {a: {} for a in ARMS}
     for parent in list(model.modules()):
@@ -57,14 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-
-    from speculation import assets
-    from speculation.bench.runner import emit_json, environment, median_call_s
-    from speculation.config import EngineConfig, SamplingConfig
-    from speculation.drafters import build_drafter, resolve_methods
-    from speculation.engine.solo import generate_speculative, generate_vanilla
-    from speculation.model.output_head import onednn_available
-    from speculation.model.target import TargetModel
 
     if not onednn_available():
         raise SystemExit("torch has no oneDNN here: nothing to compare")

@@ -19,10 +19,23 @@ speed; the figure is tau, as the learner's gate estimates it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 import time
 from pathlib import Path
+
+import torch
+
+from adaptation.feedback import BufferConfig, FeedbackSink, ReplayBuffer
+from adaptation.gain import ReplayConfig, estimate_gain, replay_units, replica, tau_of
+from adaptation.online import OnlineConfig, OnlineUpdater
+from graftblock.adapt import StreamSpec, _encode, stream_questions
+from speculation.bench.runner import emit_json, environment
+from speculation.config import EngineConfig, SamplingConfig
+from speculation.drafters import build_drafter, resolve_methods
+from speculation.engine.solo import generate_speculative
+from speculation.model.target import load_target
 
 
 def _floats(text: str) -> list[float]:
@@ -52,20 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    import dataclasses
-
-    import torch
-
-    from adaptation.feedback import BufferConfig, FeedbackSink, ReplayBuffer
-    from adaptation.gain import ReplayConfig, estimate_gain, replay_units, replica, tau_of
-    from adaptation.online import OnlineConfig, OnlineUpdater
-    from graftblock.adapt import StreamSpec, _encode, stream_questions
-    from graftblock.cli import _load_target
-    from speculation.bench.runner import emit_json, environment
-    from speculation.config import EngineConfig, SamplingConfig
-    from speculation.drafters import build_drafter, resolve_methods
-    from speculation.engine.solo import generate_speculative
-
     if args.heldout >= args.requests:
         raise SystemExit(f"--heldout {args.heldout} must be below --requests {args.requests}")
     torch.set_num_threads(args.threads)
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if not phases:
         raise SystemExit(f"--phase {args.phase!r} not in {args.stream} (it has {[p.name for p in spec.phases]})")
     stream = dataclasses.replace(spec, phases=(dataclasses.replace(phases[0], requests=args.requests),))
-    target = _load_target(args.model, args.dtype)
+    target = load_target(args.model, args.dtype)
     prompts = [ids for _, ids in _encode(target.tokenizer, stream_questions(stream), 0)]
     drafter = build_drafter(resolve_methods([args.drafter], {})[0], target)
 

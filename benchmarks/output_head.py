@@ -20,6 +20,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speculation import assets
+from speculation.bench.runner import emit_json, environment, median_call_s
+from speculation.config import EngineConfig, SamplingConfig
+from speculation.engine.solo import generate_vanilla
+from speculation.model.output_head import TransposedHead
+from speculation.model.target import TargetModel
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,13 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-
-    from speculation import assets
-    from speculation.bench.runner import emit_json, environment, median_call_s
-    from speculation.config import EngineConfig, SamplingConfig
-    from speculation.engine.solo import generate_vanilla
-    from speculation.model.output_head import TransposedHead
-    from speculation.model.target import TargetModel
 
     model, tok = assets.load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
     loaded = model.get_output_embeddings()  # packed for oneDNN where torch has it (the other

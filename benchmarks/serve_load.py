@@ -38,9 +38,20 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.serve_config import load_serve_config
+from graftblock.adapt import StreamSpec, stream_questions
+from speculation import assets
+from speculation.bench.runner import environment, run_concurrency
+from speculation.config import BenchConfig, SamplingConfig
+from speculation.model.target import TargetModel
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -164,8 +175,6 @@ def per_phase(finished: list[tuple[str, int, float | None, float]], order: list[
 
 async def _learner_counters(args) -> dict:
     """The learner's counters from the server's Prometheus ``/metrics`` (``{}`` if unreachable)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     def parse() -> dict:
         text = _get(args, "/metrics")
         if text is None:  # unreachable: the counters are missing, the run's figures stand
@@ -187,8 +196,6 @@ async def _learner_counters(args) -> dict:
 
 def _get(args, path: str) -> str | None:
     """``GET <server root><path>`` with the API key, or None when it fails (URLError, timeout, reset)."""
-    import urllib.request
-
     root = args.base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
@@ -221,15 +228,8 @@ def offline_baseline(serve_config: str, dataset: str, n_prompts: int, clients: i
     the server has stopped, so the two never share the cores. ``torch_threads``: the replica's
     (``GET /health``), so both runs compute with the same number of threads.
     """
-    import torch
-
     if torch_threads:
         torch.set_num_threads(torch_threads)
-    from cluster.serve_config import load_serve_config
-    from speculation import assets
-    from speculation.bench.runner import run_concurrency
-    from speculation.config import BenchConfig, SamplingConfig
-    from speculation.model.target import TargetModel
 
     cfg = load_serve_config(serve_config, sets or [])
     questions = assets.load_questions(dataset)[: max(n_prompts, clients)]
@@ -245,16 +245,12 @@ def offline_baseline(serve_config: str, dataset: str, n_prompts: int, clients: i
 
 
 def load_prompts(dataset: str, limit: int) -> list[str]:
-    from speculation import assets
-
     questions = assets.load_questions(dataset)
     return [q.turns[0] for q in questions][:limit]
 
 
 def load_stream(path: str, requests_per_phase: int | None) -> list[tuple[str, str]]:
     """``(phase, first turn)`` per request of a stream file (validated as adapt-bench validates it)."""
-    from graftblock.adapt import StreamSpec, stream_questions
-
     spec = StreamSpec.from_yaml(path)
     if requests_per_phase is not None:
         if requests_per_phase < 1:
@@ -362,7 +358,6 @@ def main(argv: list[str] | None = None) -> int:
                             "max_sequences": cfg.max_sequences}
         if cfg.learner.enabled and cfg.method in ("eagle3", "specblock"):
             result["server"]["learner_policy"] = cfg.learner.policy
-    from speculation.bench.runner import environment
 
     result["env"] = environment()
     if args.offline_baseline:

@@ -21,7 +21,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+import torch.nn.functional as F
+
 from speculation.bench import ab
+from speculation.bench.runner import emit_json, median_call_s
+from speculation.config import DType
 
 ARMS = ("widened", "half")
 FIGURES = ("tokens_per_s", "itl_p50_s", "itl_p99_s", "ttft_p50_s")
@@ -30,11 +35,6 @@ KEYS = (100, 300, 800, 1500)
 
 def kernel_table(dtype, calls: int) -> list[dict]:
     """Per n: the one-query attention call's median microseconds, half precision and widened."""
-    import torch
-    import torch.nn.functional as F
-
-    from speculation.bench.runner import median_call_s
-
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n in KEYS:
@@ -53,9 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_args(ap, dtypes=("bfloat16",), concurrency="1,8,16", questions=1, repeats=3, kernel_calls=200)
     args = ap.parse_args(argv)
     levels = ab.levels(ap, args)
-
-    from speculation.bench.runner import emit_json
-    from speculation.config import DType
 
     target = ab.lean_target(ap, args, "the widening")
     layers = target.lean.layers

@@ -12,11 +12,16 @@ large gradient shrinks every other term's update, slot 0's included.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import platform
+import shlex
+import sys
 from pathlib import Path
 
 import torch
+import transformers
 
 from adaptation.batches import make_batch, plan_batches
 from adaptation.features import FeatureCache
@@ -44,12 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     t2d = head.target_to_draft()
     shard = FeatureCache(args.features).load(args.shard)
     plan = plan_batches(shard.lengths(), args.batch_tokens, seed=0)[: args.batches]
-    import datetime
-    import platform
-    import shlex
-    import sys
-
-    import transformers
 
     out: dict = {
         "kind": "specblock_grad_terms",

@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import tracking
 from speculation.bench.runner import emit_json  # noqa: E402
 from sweeps.config import load_sweep_config  # noqa: E402
 
@@ -34,8 +35,6 @@ def _per_category(bench: dict, method: str) -> dict[str, dict[str, float]]:
 
 def _recorded_commit(paths, study: str, number: int) -> str | None:
     """The git commit the sweep's held-out run recorded (``--git-commit`` of the submission)."""
-    import tracking
-
     exp_id = tracking.experiment_id(paths.experiment, paths.tracking_uri)
     runs = tracking.holdout_runs(paths.tracking_uri, exp_id, study, number)
     sha = runs[0].tags.get(tracking.COMMIT_TAG) if runs else None

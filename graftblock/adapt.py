@@ -69,9 +69,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
-from speculation.config import ConfigError
+from adaptation.bandit import SKIP, BanditConfig
+from adaptation.config_bandit import ConfigAdapter, ConfigBanditConfig, load_arms
+from adaptation.controller import Outcome, Policy
+from adaptation.feedback import BufferConfig, FeedbackSink
+from adaptation.online import OnlineConfig
+from adaptation.rollback import GuardConfig, shuffled_head
+from graftblock.common import add_json_arg, check_threads, json_path, load_yaml
+from speculation import assets
+from speculation.bench.runner import environment
+from speculation.config import ConfigError, EngineConfig, SamplingConfig
+from speculation.drafters import build_drafter, resolve_methods
+from speculation.engine.solo import generate_speculative
+from speculation.model.target import load_target
 
 PHASE_CATEGORIES: dict[str, tuple[str, ...]] = {
     "chat": ("writing", "roleplay", "humanities", "stem"),
@@ -83,7 +96,7 @@ PHASE_CATEGORIES: dict[str, tuple[str, ...]] = {
 
 DRAFTERS = ("eagle3", "specblock")
 GUARD_MODES = ("paired", "live")
-"""adaptation.rollback.GuardMode's values (not imported here: the parser stays torch-free)."""
+"""adaptation.rollback.GuardMode's values, as the parser's choices."""
 CONFIG_POLICY = "config_ucb"
 """The config-adaptation policy (:mod:`adaptation.config_bandit`); the others are weight-update policies."""
 HARMFUL_POLICY = "harmful"
@@ -151,8 +164,6 @@ class StreamSpec:
     @classmethod
     def from_dict(cls, doc: Any, base_dir: Path = Path(".")) -> StreamSpec:
         """Validate a stream document; every error names ``stream.<field>`` and what it allows."""
-        from speculation import assets
-
         if not isinstance(doc, dict):
             raise ConfigError(f"stream must be a mapping with 'phases', got {type(doc).__name__}")
         _no_unknown(doc, {"name", "requests_per_phase", "phases"}, "stream")
@@ -226,8 +237,6 @@ def _check_count(v: Any, where: str) -> None:
 def stream_questions(spec: StreamSpec, strict_categories: bool = True) -> list[tuple[str, str]]:
     """``(phase, first turn)`` per request, phase by phase. A ConfigError names a phase that is
     short, or (``strict_categories``: a stream file) a category its source does not have."""
-    from speculation import assets
-
     cache: dict[str, list[Any]] = {}
     out: list[tuple[str, str]] = []
     for i, ph in enumerate(spec.phases):
@@ -317,7 +326,7 @@ def add_adapt_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"{HARMFUL_POLICY}: index of the request (0-based, over the whole stream) before which the "
                         "harmful update is published (default: the middle of the first phase)")
     p.add_argument("--harmful-seed", type=int, default=0, help=f"{HARMFUL_POLICY}: seed of the head's row permutation")
-    p.add_argument("--json", required=True, help="where to write the result JSON")
+    add_json_arg(p, "adapt-bench")
     p.add_argument("--no-mlflow", action="store_true")
     p.add_argument("--tracking-uri", default=None)
     p.add_argument("--experiment", default="graftblock-adapt")
@@ -357,8 +366,6 @@ class _PolicyRun:
 
 
 def _encode(tokenizer, turns: list[tuple[str, str]], max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
-    from speculation import assets
-
     out = []
     for phase, text in turns:
         ids = assets.encode_turn(tokenizer, [], text)
@@ -383,8 +390,6 @@ def _jsonable(x: Any) -> Any:
 
 
 def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[int, ...]]:
-    from adaptation.controller import Policy
-
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         if p in (CONFIG_POLICY, HARMFUL_POLICY):
@@ -446,34 +451,23 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[
 
 
 def cmd_adapt_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from adaptation.bandit import SKIP, BanditConfig
-    from adaptation.config_bandit import ConfigAdapter, ConfigBanditConfig, load_arms
     from adaptation.controller import AdaptationController, ControllerConfig, Policy
-    from adaptation.feedback import BufferConfig, FeedbackSink
-    from adaptation.online import OnlineConfig
-    from adaptation.rollback import GuardConfig, shuffled_head
-    from graftblock.cli import _load_target, _load_yaml
-    from speculation.config import EngineConfig, SamplingConfig
-    from speculation.drafters import build_drafter, resolve_methods
-    from speculation.engine.solo import generate_speculative
 
     policies, stream_spec, budgets = _parse_args(args)
     turns = stream_questions(stream_spec, strict_categories=bool(args.stream))  # fail on a short phase before loading anything
     arms = load_arms(args.config_arms) if CONFIG_POLICY in policies else []
     config_bandit = ConfigBanditConfig(ucb_scale=args.config_ucb_scale, full_information=not args.no_full_information)
-    if args.threads:
+    if check_threads(args):
         torch.set_num_threads(args.threads)
     log = None
     if not args.no_mlflow:
         from tracking.adaptation import AdaptationLog
 
         log = AdaptationLog(args.experiment, args.tracking_uri)
-    target = _load_target(args.model, args.dtype)
+    target = load_target(args.model, args.dtype)
     stream = _encode(target.tokenizer, turns, args.max_prompt_tokens)
     weight_policies = [p for p in policies if p != CONFIG_POLICY]  # harmful included: static's weights
-    spec = resolve_methods([args.drafter], _load_yaml(args.config))[0] if weight_policies else None
+    spec = resolve_methods([args.drafter], load_yaml(args.config))[0] if weight_policies else None
     engine = EngineConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=True, sampling=SamplingConfig(temperature=0.0))
     base = dict(
         decide_every_steps=args.decide_every_steps, horizon_s=args.horizon_s, fixed_budget=args.fixed_budget,
@@ -547,7 +541,7 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
             for r in runs), flush=True)
 
     result = _summarise(args, runs, stream_spec, budgets)
-    out = Path(args.json)
+    out = json_path(args, "adapt-bench")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot = plot_tau(result, out.with_name(f"{out.stem}_tau.png"))
@@ -608,7 +602,8 @@ def _command(args: argparse.Namespace) -> str:
             continue
         flag = f"--{k.replace('_', '-')}"
         parts.append(flag if v is True else f"{flag} {shlex.quote(str(v))}")
-    parts.append(f"--json {shlex.quote(str(args.json))}")
+    if args.json:
+        parts.append(f"--json {shlex.quote(str(args.json))}")
     return " ".join(parts)
 
 
@@ -677,7 +672,6 @@ def _summarise(args: argparse.Namespace, runs: list[_PolicyRun], stream: StreamS
             "audits": int(s["audits"]), "reverts": int(s["reverts"]), "cost_s": s["cost_s"], "regret": s.get("regret_s"), "best_fixed_arm": s.get("best_fixed_arm"),
             "decisions": _jsonable(run.controller.decisions),
         }
-    from speculation.bench.runner import environment
 
     by_name = {r.name: r for r in runs}
     harmful = _harmful_summary(args, by_name[HARMFUL_POLICY], by_name["static"]) if HARMFUL_POLICY in by_name else None
@@ -707,8 +701,6 @@ def _harmful_summary(args: argparse.Namespace, run: _PolicyRun, static: _PolicyR
     The rollback request is the first whose serving logged the guard's ROLLED_BACK decision
     (the guard judges inside the decode loop's feedback hook). ``affected_tokens_per_s`` compares
     the requests from the swap to that one; ``phase_tokens_per_s`` the swap's whole phase."""
-    from adaptation.controller import Outcome
-
     at = args.harmful_at
     decisions = run.controller.decisions
     closing = next((k for k, d in enumerate(decisions) if d.injected and d.outcome is not Outcome.APPLIED), None)

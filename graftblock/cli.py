@@ -25,53 +25,40 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
+import torch
+from rich.console import Console
+from tqdm import tqdm
 
+import tracking
+from cluster.batch_backend import RayBatchTarget
+from graftblock import adapt, export_vllm, serve
+from graftblock import ray_commands as ray_cli
+from graftblock import train as train_cli
+from graftblock.common import (
+    add_json_arg,
+    add_model_args,
+    add_sampling_args,
+    add_tracking_args,
+    check_threads,
+    json_path,
+    load_yaml,
+    run_command,
+)
+from speculation import assets
+from speculation.bench import report, verify_curve
+from speculation.bench.peers import parse_peers
+from speculation.bench.runner import environment, run_bench, run_concurrency
 from speculation.config import (
+    BatchConfig,
     BenchConfig,
     ConfigError,
     DType,
     EngineConfig,
     SamplingConfig,
-    load_yaml_mapping,
     parse_concurrency,
 )
-
-
-def _load_yaml(path: str | None) -> dict:
-    return load_yaml_mapping(path, "--config", "method name -> options") if path else {}
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="packaged alias, HF id or local dir")
-    p.add_argument("--dtype", default=None, help="bfloat16 | float32 (default bfloat16; --verify-curve: both)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="run every target product in row groups within its kernel's probed invariant limit, "
-                        "so batched output equals solo bit for bit also where the CPU's kernels switch with "
-                        "the row count (bf16 on AMX hosts); costs the large kernels' speed (in-process target only)")
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-
-
-def _add_tracking_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-mlflow", action="store_true", help="do not log this run to MLflow")
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite:///<cwd>/mlflow.db)")
-    p.add_argument("--experiment", default="graftblock-bench", help="MLflow experiment name")
-
-
-def _load_target(model: str, dtype: str, device: str = "cpu", batch_invariant: bool = False):
-    from speculation import assets
-    from speculation.model.target import TargetModel
-
-    dt = DType.parse(dtype)
-    model_obj, tokenizer = assets.load_model_and_tokenizer(model, dt.torch)
-    return TargetModel(model_obj.to(device), tokenizer, batch_invariant=batch_invariant)
+from speculation.drafters import DrafterType, resolve_methods
+from speculation.model.target import load_target
 
 
 def _check_batch_invariant(args: argparse.Namespace) -> None:
@@ -82,8 +69,6 @@ def _check_batch_invariant(args: argparse.Namespace) -> None:
 
 
 def _check_device(device: str) -> str:
-    import torch
-
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -94,8 +79,6 @@ def _check_device(device: str) -> str:
 def _check_ray_concurrency_methods(methods: list[str], method_configs: dict | None) -> None:
     """``--concurrency`` with ``--ray`` builds each request's drafter in this process against the
     sharded target, which has no local weights: only drafters that need none (vanilla, retrieval)."""
-    from speculation.drafters import DrafterType, resolve_methods
-
     bad = [s.name for s in resolve_methods(methods, method_configs)
            if s.type not in (DrafterType.VANILLA, DrafterType.RETRIEVAL)]
     if bad:
@@ -107,25 +90,16 @@ def _check_ray_concurrency_methods(methods: list[str], method_configs: dict | No
 
 def _ray_batch_target(dep, target):
     """The batched slot API over ``dep``'s shard actors, with ``target``'s tokenizer and aux layers."""
-    from cluster.batch_backend import RayBatchTarget
-
     return RayBatchTarget(dep.shards, dep.info, tokenizer=target.tokenizer, aux_layers=target.aux_layers)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from speculation import assets
-    from speculation.bench import report
-
     console = Console(stderr=False)
-    if args.threads:
-        import torch
-
+    if check_threads(args):
         torch.set_num_threads(args.threads)
     if args.verify_curve:
         return _verify_curve(args, console)
-    method_configs = _load_yaml(args.config)
+    method_configs = load_yaml(args.config)
     cfg = BenchConfig(
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         model=args.model,
@@ -142,32 +116,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     _check_batch_invariant(args)
     # Validate everything cheap before loading weights: methods, peers, dataset.
-    from speculation.bench.peers import parse_peers
-    from speculation.drafters import resolve_methods
-
     resolve_methods(list(cfg.methods), method_configs)
     parse_peers(",".join(cfg.peers))
     questions = assets.load_questions(cfg.dataset, cfg.limit_per_category)
     if not questions:
         raise ConfigError(f"--dataset {cfg.dataset}: no questions")
-    from graftblock import ray_commands as ray_cli
-
     ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
     levels = parse_concurrency(args.concurrency)
     if levels and args.ray:
         _check_ray_concurrency_methods(list(cfg.methods), method_configs)
     if args.prefill_chunk_tokens is not None or args.prefill_step_tokens is not None:  # checked before the weights load
-        from speculation.config import BatchConfig
-
         BatchConfig(fold_prefills=args.fold_prefills, prefill_chunk_tokens=args.prefill_chunk_tokens,
                     prefill_step_tokens=args.prefill_step_tokens)
     device = _check_device(args.device)
+    out = json_path(args, "bench")
     store = _open_store(args)  # a bad tracking store fails now, not after the run
-    target = _load_target(cfg.model, cfg.dtype.value, device, cfg.batch_invariant)
-
-    from speculation.bench.runner import run_bench
-    from tqdm import tqdm
-
+    target = load_target(cfg.model, cfg.dtype.value, device, cfg.batch_invariant)
     bar = tqdm(total=len(questions), desc="bench", unit="q", file=sys.stderr)
 
     def progress(done: int, total: int, cat: str) -> None:
@@ -178,8 +142,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_bench(cfg, target, questions, method_configs, progress,
                            method_parts=None if dep is None else dep.method_parts)
         if levels:
-            from speculation.bench.runner import run_concurrency
-
             # With --ray the batched engine drives the deployment's shard actors: one call per
             # shard per step for all live sequences (cluster/batch_backend.py).
             batch_target = target if dep is None else _ray_batch_target(dep, target)
@@ -205,8 +167,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result["command"] = "graftblock " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bar.close()
     report.render(result, console)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     for name, m in result["methods"].items():
         if name == "vanilla":
@@ -220,14 +180,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _verify_curve(args: argparse.Namespace, console) -> int:
-    from speculation.bench import verify_curve
-    from speculation.bench.runner import environment
-
     dtypes = [d.strip() for d in args.dtype.split(",")] if args.dtype else ["float32", "bfloat16"]
+    out = json_path(args, "bench-verify-curve")
     store = _open_store(args)
     curves = {}
     for dt in dtypes:
-        target = _load_target(args.model, dt, batch_invariant=args.batch_invariant)
+        target = load_target(args.model, dt, batch_invariant=args.batch_invariant)
         decode = verify_curve.measure(target, sizes=(1,), repeats=9)[1]
         curve = verify_curve.measure(target)
         curves[DType.parse(dt).value] = {"seconds": {str(k): v for k, v in curve.items()}, "decode_s": decode}
@@ -235,8 +193,6 @@ def _verify_curve(args: argparse.Namespace, console) -> int:
         console.print(f"{dt}: {row}")
     result = {"model": args.model, "kind": "verify_curve", "env": environment(), "curves": curves,
               "command": "graftblock " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     console.print(f"JSON written to {out.resolve()}")
     _track(store, "verify_curve", cfg_dict={"model": args.model, "dtypes": dtypes}, result=None, json_path=out)
@@ -247,16 +203,12 @@ def _open_store(args: argparse.Namespace) -> tuple[str, str] | None:
     """``(tracking uri, experiment id)``, checked before any weights load; None with ``--no-mlflow``."""
     if args.no_mlflow:
         return None
-    import tracking
-
     return tracking.prepare(args.experiment, args.tracking_uri)
 
 
 def _track(store: tuple[str, str] | None, kind: str, cfg_dict: dict, result: dict | None, json_path: Path) -> None:
     if store is None:
         return
-    import tracking
-
     uri, exp_id = store
     source = tracking.RunSource.here(f"graftblock {kind.replace('_', '-')}")
     run_id = tracking.log_bench(uri, exp_id, kind, params=cfg_dict, result=result, source=source,
@@ -265,25 +217,18 @@ def _track(store: tuple[str, str] | None, kind: str, cfg_dict: dict, result: dic
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from speculation import assets
-    from speculation.drafters import resolve_methods
-
-    if args.threads:
-        import torch
-
+    if check_threads(args):
         torch.set_num_threads(args.threads)
-    spec = resolve_methods([args.method], _load_yaml(args.config))[0]
+    spec = resolve_methods([args.method], load_yaml(args.config))[0]
     engine = EngineConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
     )
     if not args.prompt or not args.prompt.strip():
         raise ValueError("prompt is empty: pass --prompt TEXT")
-    from graftblock import ray_commands as ray_cli
-
     ray_cli.topology_from_args(args)  # validate --ray/--shards/--topology before loading weights
     _check_batch_invariant(args)
-    target = _load_target(args.model, args.dtype or "bfloat16", batch_invariant=args.batch_invariant)
+    target = load_target(args.model, args.dtype or "bfloat16", batch_invariant=args.batch_invariant)
     ids = assets.encode_turn(target.tokenizer, [], args.prompt)
     t0 = time.perf_counter()
     res = ray_cli.generate(args, target, spec, ids, engine)
@@ -296,29 +241,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_assets(args: argparse.Namespace) -> int:
-    from speculation import assets
-
     models = tuple(m for m in args.models.split(",") if m)
     assets.ensure_assets(models=models)
     print(f"assets ready in {assets.cache_dir()}")
     return 0
 
 
+def _description() -> str:
+    """The module docstring's first paragraph, without its reST markup (``--help`` prints it)."""
+    return __doc__.split("\n\n")[0].replace("``", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="graftblock", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="graftblock", description=_description())
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="benchmark methods against vanilla on the same prompts")
-    b.add_argument("--methods", default="vanilla,retrieval", help="comma-separated method names")
-    _add_model_args(b)
+    b.add_argument("--methods", default="vanilla,retrieval",
+                   help="comma-separated method names: vanilla, retrieval, eagle3, specblock, graft, or names "
+                        "defined in --config")
+    add_model_args(b, dtype_help="bfloat16 | float32 (default bfloat16; --verify-curve: both, comma-separated)")
     b.add_argument("--dataset", default="spec_bench", help="spec_bench | humaneval | nq_open | ... | PATH.jsonl")
-    b.add_argument("--limit-per-category", type=int, default=None)
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--max-turns", type=int, default=None, help="only the first N turns per question")
-    _add_sampling_args(b)
+    b.add_argument("--limit-per-category", type=int, default=None,
+                   help="at most N questions per category, 1..100000 (default: all)")
+    b.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per turn, 1..65536")
+    b.add_argument("--max-turns", type=int, default=None, help="only the first N turns per question, 1..10")
+    add_sampling_args(b)
     b.add_argument("--config", default=None, help="YAML: method name -> drafter options")
-    b.add_argument("--peers", default="", help="hf_generate,hf_prompt_lookup")
-    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--peers", default="",
+                   help="comma-separated peer baselines: hf_generate, hf_prompt_lookup, vllm, vllm_ngram, "
+                        "vllm_eagle3, vllm_retrieval")
+    b.add_argument("--warmup", type=int, default=1, help="untimed warm-up questions per method, 0..10")
     b.add_argument("--verify-curve", action="store_true", help="measure c(T) for T = 1..128 instead")
     b.add_argument("--concurrency", default=None,
                    help="e.g. 1,4,8: also run closed-loop clients through the batched engine at each level")
@@ -336,41 +289,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--concurrency with --prefill-chunk-tokens: at most this many prompt tokens per step over all "
                         "arriving prompts")
     b.add_argument("--device", default="cpu", help="cpu | cuda (the in-process target and drafters)")
-    b.add_argument("--json", required=True, help="where to write the result JSON")
-    _add_tracking_args(b)
-    from graftblock import ray_commands as ray_cli
-
+    add_json_arg(b, "bench")
+    add_tracking_args(b)
     ray_cli.add_ray_args(b)
     b.set_defaults(func=cmd_bench)
 
     g = sub.add_parser("generate", help="generate one answer with one method")
-    g.add_argument("--method", default="retrieval")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--config", default=None)
-    _add_model_args(g)
-    _add_sampling_args(g)
+    g.add_argument("--method", default="retrieval",
+                   help="vanilla, retrieval, eagle3, specblock, graft, or a name defined in --config")
+    g.add_argument("--prompt", required=True, help="the user turn to answer")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated, 1..65536")
+    g.add_argument("--config", default=None, help="YAML: method name -> drafter options")
+    add_model_args(g)
+    add_sampling_args(g)
     ray_cli.add_ray_args(g)
     g.set_defaults(func=cmd_generate)
 
     a = sub.add_parser("assets", help="fetch and convert packaged models and datasets")
-    a.add_argument("--models", default="smollm2-135m")
+    a.add_argument("--models", default="smollm2-135m",
+                   help=f"comma-separated model aliases to fetch: {', '.join(sorted(assets.MODEL_ALIASES))}")
     a.set_defaults(func=cmd_assets)
 
-    from graftblock import train as train_cli
-
     train_cli.add_subcommands(sub)  # train <family>, one per registered drafter family
-
     ray_cli.add_subcommands(sub)  # sweep, compare
-    from graftblock.export_vllm import add_export_parser
-
-    add_export_parser(sub)  # export vllm
-    from graftblock.serve import add_serve_parser
-
-    add_serve_parser(sub)  # serve (OpenAI-compatible, Ray Serve)
-    from graftblock.adapt import add_adapt_parser
-
-    add_adapt_parser(sub)  # adapt-bench (online adaptation policies on a domain-shift stream)
+    export_vllm.add_export_parser(sub)  # export vllm
+    serve.add_serve_parser(sub)  # serve (OpenAI-compatible, Ray Serve)
+    adapt.add_adapt_parser(sub)  # adapt-bench (online adaptation policies on a domain-shift stream)
     _add_report_parser(sub)  # report [--check] (BENCHMARKS.md, benchmarks/archive.md, README's headline)
     return parser
 
@@ -393,36 +337,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return report.run(args)
 
 
-def _one_line(exc: BaseException) -> str:
-    """A user-facing one-line message: a Ray task error shows its cause, whitespace is folded."""
-    from ray.exceptions import RayTaskError
-
-    if isinstance(exc, RayTaskError):
-        exc = exc.cause
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions[0].choices[command]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one sub-command; user errors are one line on stderr and exit status 2 (no traceback)."""
-    import tracking
-    from speculation.assets import AssetError
-    from sweeps.lease import StudyBusy
-
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, AssetError, tracking.TrackingError, StudyBusy,
-            yaml.YAMLError) as exc:
-        print(f"graftblock {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        from ray.exceptions import RayError
-
-        if isinstance(exc, RayError):  # an actor died or a remote task raised: say why, in one line
-            print(f"graftblock {args.command}: error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
-            return 2
-        raise
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # bench and generate take their values from flags: their errors name the flag, not the config key.
+    flags = _subparser(parser, args.command) if args.command in ("bench", "generate") else None
+    return run_command(args, flags)
 
 
 if __name__ == "__main__":

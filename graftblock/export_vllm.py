@@ -12,7 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
+from speculation import assets
 from speculation.config import DType
+from speculation.drafters.checkpoint import EAGLE3, read_header
+from speculation.drafters.vllm_format import export_vllm_eagle3
 
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,10 +32,6 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export_vllm(args: argparse.Namespace) -> int:
-    from speculation import assets
-    from speculation.drafters.checkpoint import EAGLE3, read_header
-    from speculation.drafters.vllm_format import export_vllm_eagle3
-
     _, fingerprint = read_header(args.checkpoint, EAGLE3)
     model_dir = assets.resolve_model_dir(args.model or fingerprint.name)
     target_config = json.loads((model_dir / "config.json").read_text())

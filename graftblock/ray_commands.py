@@ -16,7 +16,12 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from cluster.deploy import RayDeployment
+from cluster.topology import load_topology
 from speculation.config import ConfigError
+from speculation.drafters import DrafterType, build_drafter
+from speculation.engine.solo import generate_speculative, generate_vanilla
+from sweeps import compare, run
 
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
@@ -38,8 +43,6 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
 
 def topology_from_args(args: argparse.Namespace):
     """The validated topology, or None without ``--ray`` (``--shards``/``--topology`` need it)."""
-    from cluster.topology import load_topology
-
     if not getattr(args, "ray", False):
         for flag in ("shards", "topology"):
             if getattr(args, flag, None) is not None:
@@ -61,7 +64,6 @@ def deployment(args: argparse.Namespace, target) -> Iterator[Any]:
     if topology is None:
         yield None
         return
-    from cluster.deploy import RayDeployment
 
     dtype = str(target.dtype).removeprefix("torch.")
     with RayDeployment(
@@ -83,9 +85,6 @@ def method_parts(args: argparse.Namespace, target) -> Iterator[Any]:
 
 def generate(args: argparse.Namespace, target, spec, ids: list[int], engine):
     """``graftblock generate``: in process, or over Ray with ``--ray``."""
-    from speculation.drafters import DrafterType, build_drafter
-    from speculation.engine.solo import generate_speculative, generate_vanilla
-
     with deployment(args, target) as dep:
         if dep is None:
             drafter = build_drafter(spec, target)
@@ -101,14 +100,10 @@ def generate(args: argparse.Namespace, target, spec, ids: list[int], engine):
 
 # --------------------------------------------------------------------------- sweep / compare
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from sweeps import run
-
     return run.run_from_args(args)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from sweeps import compare
-
     return compare.run_from_args(args)
 
 

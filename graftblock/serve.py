@@ -16,18 +16,30 @@ import signal
 import sys
 import threading
 
+import ray
+from ray import serve
+
+import tracking
+from cluster.serve_app import batch_config, build_app
+from cluster.serve_config import load_serve_config
+from graftblock.common import run_command
 from speculation.config import ConfigError
+from speculation.drafters import resolve_methods
 
 APP_NAME = "graftblock"
 
 
 def add_serve_parser(sub) -> None:
     """Register ``serve`` on the CLI's sub-parsers."""
-    p = sub.add_parser("serve", help="OpenAI-compatible server on Ray Serve (runs until SIGINT/SIGTERM)")
+    add_arguments(sub.add_parser("serve", help="OpenAI-compatible server on Ray Serve (runs until SIGINT/SIGTERM)"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``serve``."""
     p.add_argument("--config", default=None,
                    help="serving YAML (default: the embedded ray_configs/serve_local.yaml)")
     p.add_argument("--host", default=None, help="bind address (default: the config's, 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, 8000)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port, 1..65535 (default: the config's, 8000)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log serving runs to MLflow")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the config's)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -39,10 +51,6 @@ def add_serve_parser(sub) -> None:
 def resolve_config(args: argparse.Namespace):
     """The validated config with the flags applied; the tracking store checked now (not in a replica)
     and made absolute, the method and batch options validated before Ray starts."""
-    from cluster.serve_app import batch_config
-    from cluster.serve_config import load_serve_config
-    from speculation.drafters import resolve_methods
-
     cfg = load_serve_config(args.config, getattr(args, "sets", [])).with_overrides(host=args.host, port=args.port,
                                                          tracking_uri=args.tracking_uri)
     if args.port is not None and not 1 <= args.port <= 65535:
@@ -52,19 +60,12 @@ def resolve_config(args: argparse.Namespace):
     resolve_methods([cfg.method], cfg.methods)
     batch_config(cfg)
     if cfg.mlflow:
-        import tracking
-
         uri, _ = tracking.prepare(cfg.experiment, cfg.tracking_uri)
         cfg = dataclasses.replace(cfg, tracking_uri=uri)
     return cfg
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
-
-    from cluster.serve_app import build_app
-
     cfg = resolve_config(args)
     started_ray = False
     if not ray.is_initialized():
@@ -106,9 +107,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m graftblock.serve ...`` (the same as ``graftblock serve ...``)."""
-    from graftblock.cli import main as cli_main
-
-    return cli_main(["serve", *(argv if argv is not None else sys.argv[1:])])
+    p = argparse.ArgumentParser(prog="graftblock serve", description=__doc__.split("\n\n")[0].replace("``", ""))
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args.command = "serve"
+    return run_command(args)
 
 
 if __name__ == "__main__":

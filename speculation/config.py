@@ -34,8 +34,9 @@ def _check_float(
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
         raise ConfigError(f"{owner}.{name} must be a number, got {value!r}")
-    if lo_open and lo is not None and not value > lo:
-        raise ConfigError(f"{owner}.{name} must be > {lo}, got {value}")
+    if lo_open and lo is not None and not (value > lo and (hi is None or value <= hi)):
+        bound = f"> {lo}" if hi is None else f"in ({lo}, {hi}]"
+        raise ConfigError(f"{owner}.{name} must be {bound}, got {value}")
     _check_range(owner, name, value, None if lo_open else lo, hi)
 
 

@@ -14,6 +14,76 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
+# ---------------------------------------------------------------------- test tiers
+# `make test-fast` sets GRAFTBLOCK_TEST_TIER=fast and runs `-m "not slow"`: no real model weights, no Ray.
+FAST_TIER = os.environ.get("GRAFTBLOCK_TEST_TIER") == "fast"
+
+SLOW_FIXTURES = frozenset({
+    "smol_fp32",  # SmolLM2-135M's real weights
+    "spec_bench_refs",  # ... and its greedy continuations
+    "smollm2",  # tests/test_assets.py: the same weights
+    "ray_local",  # a local Ray cluster
+    "tiny_model_dir",  # a saved model that whole commands (adapt-bench, serve, shard actors) load and run
+})
+"""A test that uses one of these (directly or through another fixture) is marked ``slow``."""
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) and "slow" not in item.keywords:
+            item.add_marker(slow)
+
+
+class FastTierViolation(AssertionError):
+    """A test outside the ``slow`` marker loaded real weights or started Ray in the fast tier."""
+
+
+def _is_real_model(name) -> bool:
+    """A packaged alias, a hub id or a directory in the asset cache: real weights (a tmp dir is a tiny model)."""
+    from speculation.assets import MODEL_ALIASES, cache_dir
+
+    location = getattr(name, "location", name)
+    if str(getattr(name, "name", name)) in MODEL_ALIASES:
+        return True
+    if str(location) in MODEL_ALIASES:
+        return True
+    try:
+        return Path(str(location)).expanduser().resolve().is_relative_to(cache_dir().resolve())
+    except OSError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(request, monkeypatch):
+    """In the fast tier, loading real weights or starting Ray fails the test: mark it ``slow``."""
+    if not FAST_TIER:
+        yield
+        return
+    import ray
+
+    import speculation.assets as assets_pkg
+    from speculation.assets import models
+
+    real_load = models.load_model
+
+    def guarded_load(name, *a, **k):
+        if _is_real_model(name):
+            raise FastTierViolation(f"{request.node.nodeid} loads real weights ({name}); mark it slow")
+        return real_load(name, *a, **k)
+
+    def no_ray(*a, **k):
+        raise FastTierViolation(f"{request.node.nodeid} starts Ray; mark it slow")
+
+    def no_convert(spec, *a, **k):
+        raise FastTierViolation(f"{request.node.nodeid} converts {spec.alias}'s weights; run `make assets` first")
+
+    monkeypatch.setattr(models, "load_model", guarded_load)
+    monkeypatch.setattr(models, "_convert", no_convert)
+    monkeypatch.setattr(assets_pkg, "load_model", guarded_load)
+    monkeypatch.setattr(ray, "init", no_ray)
+    yield
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():

@@ -247,11 +247,14 @@ class GreedyOracleDrafter:
         pass
 
 
-def assert_lossless_on_refs(target: TargetModel, drafter, refs, max_new_tokens: int | None = None) -> float:
+def assert_lossless_on_refs(target: TargetModel, drafter, refs, max_new_tokens: int | None = None,
+                            stats: dict | None = None) -> float:
     """Speculative output equals each reference token for token; returns tau (tokens per step).
 
     ``refs`` = (engine config, prompts, vanilla outputs), e.g. the ``spec_bench_refs`` fixture.
     ``max_new_tokens`` checks only that many tokens (greedy: a prefix of the reference).
+    ``stats``, if given, receives ``steps`` and ``accepted`` (drafted tokens the target accepted), summed
+    over the prompts.
     """
     import dataclasses
 
@@ -261,12 +264,15 @@ def assert_lossless_on_refs(target: TargetModel, drafter, refs, max_new_tokens: 
     if max_new_tokens is not None:
         cfg = dataclasses.replace(cfg, max_new_tokens=max_new_tokens)
         expected = [ref[:max_new_tokens] for ref in expected]
-    gained = steps = 0
+    gained = steps = accepted = 0
     for i, (prompt, ref) in enumerate(zip(prompts, expected)):
         res = generate_speculative(target, drafter, prompt, cfg)
         assert res.tokens == ref, f"prompt {i}: {drafter.name} output differs from vanilla"
         gained += sum(s.tokens_gained for s in res.steps)
         steps += len(res.steps)
+        accepted += sum(s.accepted for s in res.steps)
+    if stats is not None:
+        stats.update(steps=steps, accepted=accepted)
     return gained / steps
 
 

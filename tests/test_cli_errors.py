@@ -22,7 +22,7 @@ def _no_load(*a, **k):
 
 
 def test_bench_with_unreachable_tracking_uri_fails_fast_before_loading(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_load_target", _no_load)
+    monkeypatch.setattr(cli, "load_target", _no_load)
     t0 = time.monotonic()
     code = cli.main(["bench", "--methods", "vanilla", "--dataset", "humaneval", "--limit-per-category", "1",
                      "--json", str(tmp_path / "o.json"), "--tracking-uri", "http://127.0.0.1:9"])
@@ -34,7 +34,7 @@ def test_bench_with_unreachable_tracking_uri_fails_fast_before_loading(tmp_path,
 
 
 def test_malformed_yaml_config_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_load_target", _no_load)
+    monkeypatch.setattr(cli, "load_target", _no_load)
     bad = tmp_path / "bad.yaml"
     bad.write_text("retrieval: {budget: 8\n  max_depth: [\n")
     code = cli.main(["bench", "--methods", "vanilla,retrieval", "--config", str(bad), "--no-mlflow",
@@ -107,7 +107,7 @@ def test_bench_table_headers_are_whole_at_80_columns():
     ["generate", "--method", "vanilla", "--prompt", "Hi"],
 ])
 def test_batch_invariant_with_ray_is_one_line_exit_2_before_loading(command, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_load_target", _no_load)
+    monkeypatch.setattr(cli, "load_target", _no_load)
     extra = ["--json", str(tmp_path / "o.json")] if command[0] == "bench" else []
     code = cli.main([*command, *extra, "--ray", "--batch-invariant"])
     err = capsys.readouterr().err.strip()
@@ -121,3 +121,52 @@ def test_bench_config_batch_invariant_must_be_a_bool():
     assert BenchConfig(batch_invariant=True).batch_invariant is True
     with pytest.raises(ConfigError, match="bench.batch_invariant must be true or false, got 'yes'"):
         BenchConfig(batch_invariant="yes")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-new-tokens", "0", "--max-new-tokens must be in [1, 65536], got 0"),
+    ("--top-p", "2", "--top-p must be in (0.0, 1.0], got 2.0"),
+    ("--temperature", "-1", "--temperature must be in [0.0, 100.0], got -1.0"),
+    ("--limit-per-category", "0", "--limit-per-category must be in [1, 100000], got 0"),
+    ("--threads", "-2", "--threads must be in [1, 256], got -2"),
+])
+def test_bench_bad_flag_value_names_the_flag_and_its_range(flag, value, message, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "load_target", _no_load)
+    code = cli.main(["bench", "--methods", "vanilla", "--dataset", "humaneval", "--no-mlflow", flag, value])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"graftblock bench: error: {message}"
+
+
+def test_generate_bad_threads_is_one_line_exit_2(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "load_target", _no_load)
+    assert cli.main(["generate", "--method", "vanilla", "--prompt", "Hi", "--threads", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "graftblock generate: error: --threads must be in [1, 256], got 0"
+
+
+class _StubTarget:
+    batch_invariant_rows = None
+
+
+def test_bench_without_json_writes_under_runs_and_prints_the_path(tmp_path, monkeypatch, capsys):
+    """No --json: the result goes to runs/bench-<UTC time>.json (the folder is made) and the path is printed."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "load_target", lambda *a, **k: _StubTarget())
+    monkeypatch.setattr(cli, "run_bench", lambda *a, **k: {"methods": {}, "bench_config": {}, "marker": 7})
+    monkeypatch.setattr(cli.report, "render", lambda result, console: None)
+    code = cli.main(["bench", "--methods", "vanilla", "--dataset", "humaneval", "--limit-per-category", "1",
+                     "--no-mlflow"])
+    assert code == 0
+    written = list((tmp_path / "runs").glob("bench-*.json"))
+    assert len(written) == 1 and written[0].name[len("bench-"):-len(".json")].endswith("Z")
+    import json
+
+    assert json.loads(written[0].read_text())["marker"] == 7
+    out = "".join(capsys.readouterr().out.split())  # rich may wrap the long path
+    assert f"JSONwrittento{written[0].resolve()}" in out
+
+
+def test_help_description_has_no_rest_markup(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "The graftblock command line" in out

@@ -88,6 +88,7 @@ def _unfused(name: str) -> nn.Module:
     return model.eval()
 
 
+@pytest.mark.slow  # real weights
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_loaded_targets_are_fused_and_decode_the_same_greedy_tokens(name):
     fused, plain = assets.load_model(name, torch.float32), _unfused(name)

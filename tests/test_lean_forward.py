@@ -15,7 +15,8 @@ from speculation.model.output_head import onednn_available
 from speculation.model.target import TargetModel
 from speculation.spec.tree import DraftTree, NodeSource
 
-pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch has no oneDNN on this platform")
+pytestmark = [pytest.mark.skipif(not onednn_available(), reason="torch has no oneDNN on this platform"),
+              pytest.mark.slow]  # SmolLM2's (and Gemma's) real weights, in fp32 and bf16
 
 needs_bf16_onednn = pytest.mark.skipif(
     not onednn_available(torch.bfloat16),

@@ -97,6 +97,7 @@ def test_packed_linear_falls_back_for_autograd_and_packs_heads_except_skipped():
     assert pack_linears(other, skip=other[1]) == 1 and type(other[1]) is nn.Linear
 
 
+@pytest.mark.slow  # real weights
 @needs_onednn
 def test_a_shard_without_the_head_does_not_pack_it():
     model = assets.load_model("smollm2-135m", torch.float32, layers=range(0, 2))
@@ -104,6 +105,7 @@ def test_a_shard_without_the_head_does_not_pack_it():
     assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
 
 
+@pytest.mark.slow  # real weights
 def test_the_loaded_target_keeps_its_tied_head_and_state_dict():
     model = assets.load_model("smollm2-135m", torch.float32)
     head = model.get_output_embeddings()

@@ -25,7 +25,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from speculation.config import BatchLayout, ConfigError
+from speculation import assets
+from speculation.config import BatchLayout, ConfigError, DType
 from speculation.model.batch_target import ReleasedSequenceError, SlotState
 from speculation.model.kv_reserve import reserve_rows
 from speculation.model.lean_forward import LeanDecoder, RaggedRows
@@ -515,3 +516,12 @@ def compact_kv(layers: list, tree_len: int, accepted: list[int]) -> None:
         layer.values = layer.values[:, :, : base + m1]
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length -= tree_len - m1
+
+
+def load_target(model: str, dtype: str, device: str = "cpu", batch_invariant: bool = False) -> TargetModel:
+    """The :class:`TargetModel` of ``model`` (packaged alias, HF id or local dir) in ``dtype``
+    (``bfloat16 | float32``, also ``bf16 | fp32``) on ``device``; what the CLI and the benchmark
+    scripts load a target with."""
+    dt = DType.parse(dtype)
+    model_obj, tokenizer = assets.load_model_and_tokenizer(model, dt.torch)
+    return TargetModel(model_obj.to(device), tokenizer, batch_invariant=batch_invariant)
