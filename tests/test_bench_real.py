@@ -101,12 +101,12 @@ def test_cli_bench_writes_contract_json_and_logs_mlflow(tmp_path, monkeypatch, c
         (["--model", "no-such-model"], "no-such-model"),
         (["--dataset", "/nonexistent/questions.jsonl"], "questions.jsonl"),
         (["--methods", "vanilla,bogus"], "bogus"),
-        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be in [1, 65536], got 0"),
         (["--temperature", "-1"], "temperature"),
         (["--peers", "vllm_medusa"], "vllm_medusa"),
-        (["--concurrency", "1,4", "--prefill-step-tokens", "64"], "batch.prefill_step_tokens needs batch.prefill_chunk_tokens"),
-        (["--concurrency", "1,4", "--prefill-chunk-tokens", "0"], "batch.prefill_chunk_tokens must be in [1, 1048576]"),
-        (["--concurrency", "1,4", "--prefill-chunk-tokens", "64", "--no-fold-prefills"], "needs batch.fold_prefills true"),
+        (["--concurrency", "1,4", "--prefill-step-tokens", "64"], "--prefill-step-tokens needs --prefill-chunk-tokens"),
+        (["--concurrency", "1,4", "--prefill-chunk-tokens", "0"], "--prefill-chunk-tokens must be in [1, 1048576], got 0"),
+        (["--concurrency", "1,4", "--prefill-chunk-tokens", "64", "--no-fold-prefills"], "--prefill-chunk-tokens needs --fold-prefills true"),
     ],
 )
 def test_cli_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):
