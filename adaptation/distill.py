@@ -6,9 +6,10 @@ GPT-4 replies) teach it a distribution the target does not decode.
 
 Pieces:
 
-* :func:`plan_items` — a deterministic list of :class:`DistillItem` prompts (user turns of
-  ShareGPT conversations, labelled chat / code / math), with every conversation that overlaps a
-  benchmark prompt (Spec-Bench and every packaged dataset) or the held-out set dropped.
+* :func:`plan_from_sharegpt` — a deterministic list of :class:`DistillItem` prompts (user turns
+  of ShareGPT conversations after the trainer's held-out ones, labelled chat / code / math), with
+  every conversation that overlaps a benchmark prompt (Spec-Bench and every packaged dataset)
+  dropped (:func:`plan_items`).
 * :class:`DistillConfig` — how each item is answered: per item, greedy with probability
   ``greedy_fraction``, else sampled at ``temperature`` / ``top_p``, seeded by the item index.
 * :class:`Generator` — the protocol of a batched generation backend (``prompts, samplings ->
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from adaptation.data import conversations, is_excluded, iter_sharegpt, normalize
+from adaptation.data import conversations, is_excluded, iter_sharegpt, normalize, spec_bench_texts
 from speculation.config import ConfigError, SamplingConfig
 
 if TYPE_CHECKING:
@@ -139,17 +140,16 @@ def benchmark_texts() -> set[str]:
 
 
 def plan_items(
-    items: Iterable[dict], skip: int, limit: int, excluded: set[str], min_turn_chars: int = 8
+    convs: Iterable[tuple[str, list[dict[str, str]]]], limit: int, excluded: set[str], min_turn_chars: int = 8
 ) -> list[DistillItem]:
-    """The first ``limit`` usable conversations after the first ``skip`` (the held-out ones).
+    """The first ``limit`` usable ``(id, messages)`` conversations of ``convs`` as items.
 
-    ``skip`` counts conversations as :func:`adaptation.data.conversations` yields them, the same
-    order the trainer holds out from, so the plan never contains a held-out prompt. A conversation
-    any of whose user turns equals or contains an ``excluded`` (benchmark) text is dropped.
+    A conversation any of whose user turns equals or contains an ``excluded`` (benchmark) text,
+    or whose first user turn is shorter than ``min_turn_chars``, is dropped.
     """
     longs = [t for t in excluded if len(t) >= 64]
     out: list[DistillItem] = []
-    for cid, msgs in itertools.islice(conversations(items), skip, None):
+    for cid, msgs in convs:
         users = tuple(m["content"] for m in msgs if m["role"] == "user")
         if len(users[0].strip()) < min_turn_chars or any(is_excluded(u, excluded, longs) for u in users):
             continue
@@ -453,14 +453,8 @@ def plan_from_sharegpt(path: str | Path, heldout: int, limit: int) -> list[Disti
     """The plan over a ShareGPT file: after the trainer's ``heldout`` conversations, benchmark
     prompts excluded. (:func:`adaptation.data.conversations` drops Spec-Bench first-turn matches
     before counting, exactly as the trainer's hold-out does, so the skip lines up with it.)"""
-    from adaptation.data import spec_bench_texts
-
-    spec = spec_bench_texts()
-    items = iter_sharegpt(path)
-    held_then_rest = conversations(items, spec)
-    rest = itertools.islice(held_then_rest, heldout, None)
-    return plan_items(({"id": cid, "conversations": [{"from": m["role"], "value": m["content"]} for m in msgs]}
-                       for cid, msgs in rest), 0, limit, benchmark_texts())
+    rest = itertools.islice(conversations(iter_sharegpt(path), spec_bench_texts()), heldout, None)
+    return plan_items(rest, limit, benchmark_texts())
 
 
 def distilled_data(tokenizer: Any, target: Any, root: str | Path, max_len: int, heldout: int,

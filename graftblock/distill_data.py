@@ -94,14 +94,11 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DType.parse(args.dtype)
-    model, tokenizer = assets.load_model_and_tokenizer(args.model, dtype.torch)
-    target = TargetModel(model, tokenizer)
-    generator = make_generator(args.backend, target, args.batch_size, cfg)
     source = args.sharegpt or str(assets.sharegpt_path())
     plan = plan_from_sharegpt(source, args.heldout, args.items)
     if not plan:
         raise ConfigError(f"distill-data: no usable conversation after the first {args.heldout} of {source}")
-    meta = {"target": args.model, "dtype": dtype.value, "generator": generator.name,
+    meta = {"target": args.model, "dtype": dtype.value, "generator": args.backend,
             "heldout": args.heldout, "sharegpt": args.sharegpt or "packaged"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
             mlflow_run.log_params({**meta, **{f"distill.{k}": v for k, v in vars(cfg).items()},
                                    "items": len(plan), "batch_size": args.batch_size})
         sink = mlflow_run
+    target = None
+    if not args.replicas or args.baseline_prompts:  # with replicas, only the baseline runs here
+        target = TargetModel(*assets.load_model_and_tokenizer(args.model, dtype.torch))
 
     def on_shard(stats) -> None:
         sink.log_metrics({"distill.items": stats.items, "distill.new_tokens": stats.new_tokens,
@@ -128,15 +128,17 @@ def run(args: argparse.Namespace) -> int:
             stats = _distill_on_ray(args, plan, out, cfg, meta, dtype.value)
             on_shard(stats)
         else:
-            stats = distill(plan, out, cfg, tokenizer, generator, target.eos_token_ids, meta,
-                            progress=not args.no_progress, on_shard=on_shard)
+            stats = distill(plan, out, cfg, target.tokenizer,
+                            make_generator(args.backend, target, args.batch_size, cfg), target.eos_token_ids,
+                            meta, progress=not args.no_progress, on_shard=on_shard)
         rate = stats.new_tokens / max(stats.wall_s, 1e-9)
         summary = {"items": stats.items, "turns": stats.turns, "new_tokens": stats.new_tokens,
                    "wall_s": round(stats.wall_s, 2), "tokens_per_s": round(rate, 2),
-                   "by_category": stats.by_category, "batch_size": args.batch_size, "backend": generator.name}
+                   "by_category": stats.by_category, "batch_size": args.batch_size, "backend": args.backend}
         if args.baseline_prompts:
-            one = make_generator(args.backend, target, 1, cfg)
-            many, base = side_by_side_rates(tokenizer, generator, one, plan, cfg, target.eos_token_ids,
+            batched = make_generator(args.backend, target, args.batch_size, cfg)
+            single = make_generator(args.backend, target, 1, cfg)
+            many, base = side_by_side_rates(target.tokenizer, batched, single, plan, cfg, target.eos_token_ids,
                                             args.baseline_prompts)
             summary |= {"baseline_prompts": args.baseline_prompts, "batched_tokens_per_s": round(many, 2),
                         "single_sequence_tokens_per_s": round(base, 2), "speedup_vs_single": round(many / base, 3)}

@@ -7,6 +7,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("seed", -1, ">= 0"),
 ])
 def test_a_bad_config_names_the_field_and_its_range(field, value, allowed):
-    with pytest.raises(ConfigError, match=rf"distill\.{field} must be {__import__('re').escape(allowed)}, got"):
+    with pytest.raises(ConfigError, match=rf"distill\.{field} must be {re.escape(allowed)}, got"):
         DistillConfig(**{field: value})
 
 

@@ -126,13 +126,15 @@ class PackedLinear(nn.Module):
 
     def current_packed(self) -> torch.Tensor | None:
         """The packed copy of the weight as it is now (packed again if the weight changed since),
-        or None when the weight cannot be tracked (an inference tensor) or is not on the CPU."""
+        or None when the weight cannot be tracked (an inference tensor), is not on the CPU, or is in a
+        dtype this CPU's oneDNN has no kernels for (:func:`onednn_available`)."""
         key = _weight_key(self.weight)
-        if key is None or self.weight.device.type != "cpu" or not onednn_available(self.weight.dtype):
+        if key is None or self.weight.device.type != "cpu":
             return None
         held = self._copy.held
-        if held is None or held[0] != key:
-            held = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None))
+        if held is None or held[0] != key:  # the dtype is in the key: a cast asks oneDNN again
+            usable = onednn_available(self.weight.dtype)
+            held = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None) if usable else None)
             self._copy.held = held  # one assignment: a concurrent reader sees an old or a new pair
         return held[1]
 
