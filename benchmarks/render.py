@@ -58,6 +58,11 @@ def _plots_of(stem: str) -> list[Path]:
 # file stem -> section title. Commentary lives in benchmarks/notes/<stem>.md, written by people;
 # the tables come from the JSON only.
 SECTIONS: dict[str, str] = {
+    "workload_code_edit_fp32": "Workload code_edit: rewriting a pasted function (fp32)",
+    "workload_agentic_fp32": "Workload agentic: ReAct transcripts with JSON tool calls (fp32)",
+    "workload_code_edit_concurrency_fp32": "Workload code_edit under load: N = 1 and 8 with the goodput rule (fp32)",
+    "long_context_fp32": "Long context: c(T, L) to 8K and the longdoc workloads (fp32)",
+    "suffix_store_memory": "Cross-request suffix store: memory per million tokens",
     "foundation_specbench_bf16": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (bf16)",
     "foundation_specbench_fp32": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (fp32)",
     "eagle3_graft_specbench_bf16": "EAGLE-3 tree budgets and the Graft ablation (bf16)",
@@ -135,6 +140,12 @@ above" or "the previous run" in a note means an earlier run, which now sits furt
 """
 
 
+def _unavailable(missing: dict[str, str] | None) -> list[str]:
+    """The peers asked for but not run on this host, each with the recorded reason."""
+    return ["", "Peers asked for but not run here: " + "; ".join(f"`{k}`: {v}" for k, v in missing.items()) + "."] \
+        if missing else []
+
+
 def _f(v, d: int = 2, suffix: str = "") -> str:
     if v is None:
         return "–"
@@ -195,6 +206,7 @@ def render_bench(res: dict) -> list[str]:
             f"{_f(ds * 1000 if ds is not None else None)} | {_f(vs * 1000 if vs is not None else None, 1)} | "
             f"{_f(m.get('drafter_forwards_per_step'), 1)} | {_f(m.get('lossless'))} |"
         )
+    lines += _unavailable(res.get("peers_unavailable"))
     cats = res.get("categories", [])
     lines += ["", "Speedup (tau) per category:", ""]
     lines.append("| method | " + " | ".join(cats) + " |")
@@ -252,6 +264,8 @@ def render_concurrency(res: dict) -> list[str]:
                 f"{_f(m['request_tokens_per_s'], 1)} | {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} | "
                 f"{_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {_tau_cell(m)} | "
                 f"{_f(m.get('mean_tree_tokens_per_seq_step'), 1)} | {_f(m.get('lossless'))} |")
+    lines += _unavailable(next((lv["peers_unavailable"] for lv in res["concurrency"].values()
+                                if lv.get("peers_unavailable")), None))
     if saturated:
         lines += ["", "Saturated: the window from the start until the first client finds the dataset exhausted "
                       "(all N clients busy, the opening prefills included); share is its part of the run's wall "
@@ -645,6 +659,63 @@ def render_scaling(res: dict) -> list[str]:
     return lines
 
 
+@renderer("suffix_store_memory")
+def render_suffix_store_memory(res: dict) -> list[str]:
+    """Memory per million stored tokens, insert rate and lookup latency of the cross-request store."""
+    lines = [f"Documents: {res['source']}, tokenized with {res['tokenizer']}; lookups on held-out conversations.", "",
+             "| run | capacity | fed | stored | docs (evicted) | MiB per million tokens | add tok/s "
+             "| lookup median µs | p90 µs | matched | mean match length |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in ("fill", "bounded"):
+        r = res[name]
+        lines.append(f"| {name} | {r['capacity_tokens']} | {r['fed_tokens']} | {r['stored_tokens']} | {r['docs']} "
+                     f"({r['evicted_docs']}) | {_f(r['mib_per_million_tokens'], 1)} | {_f(r['add_tokens_per_s'], 0)} | "
+                     f"{_f(r['median_us'], 1)} | {_f(r['p90_us'], 1)} | {_f(r['match_rate'])} | "
+                     f"{_f(r['mean_match_len'], 1)} |")
+    return lines
+
+
+@renderer("long_context")
+def render_long_context(res: dict) -> list[str]:
+    """c(T, L) from 512 to 8K tokens, then each longdoc workload's methods against vanilla."""
+    curve = res.get("verify_cost", {})
+    sizes = sorted({int(t) for row in curve.values() for t in row})
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**. Verify cost c(T, L) (one tree forward + KV "
+             "commit over L committed tokens; median) and, in brackets, c(T, L) / c(1, L):", "",
+             "| L | " + " | ".join(f"T={t}" for t in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for ctx, row in sorted(curve.items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {ctx} | " + " | ".join(
+            f"{1000 * row[str(t)]:.1f} ms ({row[str(t)] / row['1']:.2f})" for t in sizes) + " |")
+    pred = res.get("predicted_cost")
+    if pred:
+        measured_at = ", ".join(str(c) for c in pred["contexts_measured"])
+        lines += ["", f"What the drafters' cost model predicts at the same points (measured at L = {measured_at}; "
+                  "linear in L beyond the longest) and, in brackets, predicted / measured above:", "",
+                  "| L | " + " | ".join(f"T={t}" for t in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+        for ctx, row in sorted(pred["grid"].items(), key=lambda kv: int(kv[0])):
+            lines.append(f"| {ctx} | " + " | ".join(
+                f"{1000 * row[str(t)]:.1f} ms ({row[str(t)] / curve[ctx][str(t)]:.2f})" for t in sizes) + " |")
+    runs = res.get("workloads", {})
+    if runs:
+        lines += ["", "tok/s and speedup count the prefill (Spec-Bench's speed); decode tok/s = new tokens / (wall "
+                  "- prefill seconds), the decode loop alone.", "",
+                  "| workload | prompt tokens (mean) | method | tok/s | speedup | prefill s/turn | decode tok/s "
+                  "| decode speedup | tau | tree | draft ms/step | verify ms/step | lossless |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, r in runs.items():
+            mean_prompt = sum(r["prompt_tokens"]) / len(r["prompt_tokens"])
+            for m_name, m in r["methods"].items():
+                prefill = m["prefill_s"] / m["n_turns"] if "prefill_s" in m else None
+                speedup = 1.0 if m_name == "vanilla" and "decode_tokens_per_s" in m else m.get("decode_speedup")
+                verify = m.get("verify_s_per_step") or None
+                lines.append(f"| {name} | {mean_prompt:.0f} | {m_name} | {_f(m['tokens_per_s'], 1)} | "
+                             f"{_f(m['speedup'], 2, '×')} | {_f(prefill, 1)} | {_f(m.get('decode_tokens_per_s'), 1)} | "
+                             f"{_f(speedup, 2, '×')} | {_f(m['tau'])} | {_f(m.get('mean_tree_size'), 1)} | "
+                             f"{_f(1000 * m['drafting_s_per_step'], 1)} | {_f(verify and 1000 * verify, 1)} | "
+                             f"{_f(m['lossless'])} |")
+    return lines
+
+
 @renderer("specblock_grad_terms")
 def render_grad_terms(res: dict) -> list[str]:
     """Per-slot gradient norms of block 1's weighted slot losses, masked vs unmasked."""
@@ -763,13 +834,36 @@ def render_curve(res: dict) -> list[str]:
     return lines
 
 
+def render_store(res: dict) -> list[str]:
+    """The cross-request suffix store of each method that had one: what it held at the end, how
+    often it matched and how much of each tree it drafted."""
+    rows = [(n, m) for n, m in res["methods"].items() if (m.get("drafter_report") or {}).get("suffix_store")]
+    if not rows:
+        return []
+    lines = ["", "Cross-request suffix store at the end of the run:", "",
+             "| method | documents | tokens | evicted | lookups matched | hits | store nodes/step | match length |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, m in rows:
+        st, ds = m["drafter_report"]["suffix_store"], m.get("drafter_stats") or {}
+        lines.append(f"| {name} | {st['docs']} | {st['tokens']} | {st['evicted_docs']} | {_f(st['match_rate'])} | "
+                     f"{st['hits']} | {_f(ds.get('store_nodes'), 2)} | {_f(ds.get('store_match_len'), 2)} |")
+    return lines
+
+
+WORKLOAD_DATASETS = ("code_edit", "agentic", "longdoc_2k", "longdoc_4k", "longdoc_8k")
+"""Datasets whose bench tables also show acceptance per depth (speculation.assets.workloads)."""
+
+
 @renderer(BENCH_KIND)
 def render_bench_result(res: dict) -> list[str]:
     """A ``graftblock bench`` result (no ``kind`` field): the methods table, per-depth acceptance where a
-    feature drafter ran, and the closed loop where ``--concurrency`` was given."""
+    feature drafter ran or the dataset is a workload, the suffix store, and the closed loop where
+    ``--concurrency`` was given."""
     out = render_bench(res)
-    if any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values()):
+    if (any(m.get("config", {}).get("type") in ("eagle3", "graft", "specblock") for m in res["methods"].values())
+            or res.get("dataset") in WORKLOAD_DATASETS):
         out += render_drafter_details(res)
+    out += render_store(res)
     if res.get("concurrency"):
         out += render_concurrency(res)
     return out

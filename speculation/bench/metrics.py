@@ -7,6 +7,9 @@ Definitions (Spec-Bench ``evaluation/speed.py``; docs/algorithms.md §7):
 * speedup             = tokens_per_s(method) / tokens_per_s(vanilla), same prompts, same run;
 * tau                 = mean over all verify steps (pooled) of tokens gained per step (bonus included);
 * drafting_share      = drafting seconds / total wall seconds;
+* decode_tokens_per_s = all new tokens / (wall - prefill seconds), pooled (ours only: peers
+  report no prefill time); decode_speedup is its ratio to vanilla's. Spec-Bench's speed counts
+  the prefill, which dominates a long prompt on a CPU; this one isolates the decode loop;
 * mean_tree_size      = mean verified tokens per step (root included);
 * acceptance_per_depth[d-1] = P(accepted length >= d | the tree reached depth d), pooled over steps.
 """
@@ -59,6 +62,10 @@ def summarize(runs: list[TurnRun]) -> dict:
         "tokens_per_s": sum(speeds) / len(speeds) if speeds else 0.0,
         "wall_s": wall,
     }
+    prefill = sum(r.result.prefill_s for r in runs)
+    if prefill > 0 and wall > prefill:
+        out["prefill_s"] = prefill
+        out["decode_tokens_per_s"] = out["new_tokens"] / (wall - prefill)
     if steps:
         n = len(steps)
         drafting = sum(s.drafting_s for s in steps)
@@ -118,6 +125,8 @@ def summarize_with_speedup(method: MethodRuns, baseline: MethodRuns) -> dict:
     overall = summarize(method.runs)
     base = summarize(baseline.runs)
     overall["speedup"] = overall["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+    if "decode_tokens_per_s" in overall and "decode_tokens_per_s" in base:
+        overall["decode_speedup"] = overall["decode_tokens_per_s"] / base["decode_tokens_per_s"]
     per_cat = {}
     for cat in sorted({r.category for r in method.runs}):
         m = summarize([r for r in method.runs if r.category == cat])

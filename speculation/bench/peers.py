@@ -28,9 +28,18 @@ class Peer(str, enum.Enum):
     VLLM_NGRAM = "vllm_ngram"
     VLLM_EAGLE3 = "vllm_eagle3"
     VLLM_RETRIEVAL = "vllm_retrieval"
+    VLLM_SUFFIX = "vllm_suffix"
 
 
 PROMPT_LOOKUP_TOKENS = 10
+
+
+def available_peers(peers: list[Peer]) -> tuple[list[Peer], dict[str, str]]:
+    """``peers`` split into those that can run here and ``{name: reason}`` for those that cannot
+    (a vLLM peer whose optional module is not installed: :func:`vllm_peers.unavailable`)."""
+    missing = {p.value: why for p in peers if p.value in vllm_peers.PEER_METHODS
+               and (why := vllm_peers.unavailable(p.value)) is not None}
+    return [p for p in peers if p.value not in missing], missing
 
 
 def parse_peers(value: str | None) -> list[Peer]:

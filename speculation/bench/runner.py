@@ -24,9 +24,17 @@ import torch
 from speculation import assets
 from speculation.bench import vllm_peers
 from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedup
-from speculation.bench.peers import Peer, parse_peers, peer_stats, reset_peer_stats, run_hf_batched, run_peer
+from speculation.bench.peers import Peer, available_peers, parse_peers, peer_stats, reset_peer_stats, run_hf_batched, run_peer
 from speculation.config import BenchConfig, EngineConfig, to_dict
-from speculation.drafters import Drafter, DrafterType, MethodSpec, Reportable, build_drafter, resolve_methods
+from speculation.drafters import (
+    Drafter,
+    DrafterType,
+    MethodSpec,
+    Reportable,
+    build_drafter,
+    drafter_factory,
+    resolve_methods,
+)
 from speculation.spec.step import DraftingCheck
 from speculation.engine.sequence import GenerationResult, TargetBackend
 from speculation.engine.solo import generate_speculative, generate_vanilla
@@ -147,8 +155,12 @@ def run_bench(
     method_configs: dict | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     method_parts: MethodParts | None = None,
+    prefill_chunk_tokens: int | None = None,
 ) -> dict:
     """Run the bench and return the result dict (the bench contract, docs/architecture.md §5).
+
+    ``prefill_chunk_tokens``: every method's prompt is prefilled in forwards of at most this many
+    tokens (``EngineConfig.prefill_chunk_tokens``; long documents), None = one forward.
 
     ``method_parts(spec) -> (backend, drafter)``, when given, supplies every non-vanilla
     method's target backend and a fresh drafter (e.g. Ray actors); vanilla and peers still run
@@ -160,8 +172,9 @@ def run_bench(
     if BASELINE not in names:
         names.insert(0, BASELINE)
     specs = resolve_methods(names, method_configs)
-    peers = parse_peers(",".join(cfg.peers))
-    engine = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling)
+    peers, peers_unavailable = available_peers(parse_peers(",".join(cfg.peers)))
+    engine = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling,
+                          prefill_chunk_tokens=prefill_chunk_tokens)
     tok = target.tokenizer
     runners = [_Runner(s.name, target, engine, spec=s, method_parts=method_parts) for s in specs]
     runners += [_Runner(p.value, target, engine, peer=p) for p in peers]
@@ -213,11 +226,14 @@ def run_bench(
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.sampling.temperature,
         "sampling": to_dict(cfg.sampling),
+        "prefill_chunk_tokens": prefill_chunk_tokens,
         "env": environment(),
         "bench_config": to_dict(cfg),
         "methods": {},
         "peers": {},
     }
+    if peers_unavailable:
+        out["peers_unavailable"] = peers_unavailable
     base_summary = summarize_with_speedup(baseline, baseline)
     out["baseline_tokens_per_s"] = base_summary["tokens_per_s"]
     for r in runners:
@@ -232,8 +248,8 @@ def run_bench(
             continue
         summary["lossless"] = True if r.name == BASELINE else _lossless(summary, cfg)
         summary["config"] = {"type": r.spec.type.value, **r.spec.config_dict()}
-        if isinstance(r.drafter, Reportable):  # e.g. Graft: the chosen dense budget and why
-            summary["drafter_report"] = r.drafter.report()
+        if isinstance(r.drafter, Reportable) and (report := r.drafter.report()):
+            summary["drafter_report"] = report  # e.g. Graft's chosen dense budget and why; the suffix store's counters
         out["methods"][r.name] = summary
     return out
 
@@ -311,9 +327,9 @@ def run_concurrency(
     for n in levels:
         methods: dict[str, dict] = {}
         for spec in specs:
-            factory = None if spec.type == DrafterType.VANILLA else (lambda spec=spec: build_drafter(spec, target))
-            if factory is not None:
-                factory()  # one-time set-up outside the timed loop: e.g. the c(T) a cost-aware drafter measures
+            # One-time set-up outside the timed loop: the c(T) a cost-aware drafter measures, and a
+            # fresh cross-request store per level (a level's requests never see another level's outputs).
+            factory = drafter_factory(spec, target)
             engine = BatchEngine(target, factory, BatchConfig(max_sequences=n, max_tokens_per_sequence=slot_len,
                                                               goodput=goodput, fold_prefills=fold_prefills,
                                                               prefill_chunk_tokens=prefill_chunk_tokens,
@@ -409,7 +425,10 @@ def run_concurrency(
         level: dict[str, Any] = {"methods": methods, "fold_prefills": fold_prefills, "payoff_veto": payoff_veto,
                                  "prefill_chunk_tokens": prefill_chunk_tokens, "prefill_step_tokens": prefill_step_tokens}
         peer_rows: dict[str, dict] = {}
-        for peer in parse_peers(",".join(cfg.peers)):
+        runnable, peers_unavailable = available_peers(parse_peers(",".join(cfg.peers)))
+        if peers_unavailable:
+            level["peers_unavailable"] = peers_unavailable
+        for peer in runnable:
             if peer == Peer.HF_GENERATE:
                 peer_rows[peer.value] = _hf_batched_row(cfg, target, prompts, refs, n)
             elif peer.value in vllm_peers.PEER_METHODS:

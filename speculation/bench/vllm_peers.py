@@ -5,7 +5,12 @@ Peers (``graftblock bench --peers ...``), all on the bench's own target weights 
 * ``vllm``            vLLM without speculation;
 * ``vllm_ngram``      vLLM's n-gram speculation (``NGRAM_TOKENS`` tokens, lookup 1..4);
 * ``vllm_eagle3``     vLLM's EAGLE-3 with graftblock's committed head, exported to vLLM's format;
-* ``vllm_retrieval``  vLLM with graftblock's retrieval drafter as a ``custom_class`` proposer.
+* ``vllm_retrieval``  vLLM with graftblock's retrieval drafter as a ``custom_class`` proposer;
+* ``vllm_suffix``     vLLM's SuffixDecoding (``method: suffix``, arctic-inference's C++ suffix trees
+  over the prompt and earlier responses; ``make vllm-suffix`` tries to build it).
+
+A peer whose Python module does not import in ``.venv-vllm`` (:func:`unavailable`) is left out of
+the run and recorded, with the import error, under the result's ``peers_unavailable``.
 
 Protocol (JSON lines): the runner gets a :class:`VllmSpec` on its command line, answers
 ``{"ready": ...}`` once the engine is up, then one ``{"tokens", "wall_s", "drafts",
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import functools
 import json
 import subprocess
 import tempfile
@@ -36,6 +42,8 @@ RUNNER_MODULE = "cluster.vllm_runner"
 NGRAM_TOKENS = 5
 NGRAM_LOOKUP = (1, 4)
 SPEC_TOKENS = 5
+SUFFIX_TREE_DEPTH = 24
+"""SuffixDecoding's speculation depth cap (vLLM's ``suffix_decoding_max_tree_depth`` default)."""
 MAX_MODEL_LEN = 4096
 
 
@@ -46,6 +54,7 @@ class VllmMethod(str, enum.Enum):
     NGRAM = "ngram"
     EAGLE3 = "eagle3"
     RETRIEVAL = "retrieval"
+    SUFFIX = "suffix"
 
 
 PEER_METHODS = {
@@ -53,8 +62,12 @@ PEER_METHODS = {
     "vllm_ngram": VllmMethod.NGRAM,
     "vllm_eagle3": VllmMethod.EAGLE3,
     "vllm_retrieval": VllmMethod.RETRIEVAL,
+    "vllm_suffix": VllmMethod.SUFFIX,
 }
 """Bench peer name -> vLLM method."""
+
+REQUIRED_MODULES = {VllmMethod.SUFFIX: "arctic_inference.suffix_decoding"}
+"""vLLM method -> the optional module it needs in ``.venv-vllm`` beyond vLLM itself."""
 
 RETRIEVAL_PROPOSER = "cluster.vllm_proposer.RetrievalProposer"
 
@@ -91,6 +104,9 @@ class VllmSpec:
                     "prompt_lookup_min": NGRAM_LOOKUP[0], "prompt_lookup_max": NGRAM_LOOKUP[1]}
         if self.method == VllmMethod.EAGLE3:
             return {"method": "eagle3", "model": self.draft, "num_speculative_tokens": k}
+        if self.method == VllmMethod.SUFFIX:
+            return {"method": "suffix", "num_speculative_tokens": SUFFIX_TREE_DEPTH,
+                    "suffix_decoding_max_tree_depth": SUFFIX_TREE_DEPTH}
         return {"method": "custom_class", "model": RETRIEVAL_PROPOSER, "num_speculative_tokens": k}
 
     def to_json(self) -> str:
@@ -141,6 +157,20 @@ def require_environment(python: Path = VLLM_PYTHON) -> None:
     """Fail before any weights load when a vLLM peer is asked for without ``.venv-vllm``."""
     if not python.is_file():
         raise ConfigError(f"vLLM peers need the vLLM environment: run `make vllm` (no {python})")
+
+
+@functools.cache
+def unavailable(peer: str, python: Path = VLLM_PYTHON) -> str | None:
+    """Why ``peer`` cannot run here (its required module does not import in ``python``'s
+    environment), or None when it can. Checked once per process, in a subprocess."""
+    module = REQUIRED_MODULES.get(PEER_METHODS[peer])
+    if module is None:
+        return None
+    proc = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, text=True, check=False)
+    if proc.returncode == 0:
+        return None
+    last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    return f"`{module}` does not import in {python.parent.parent.name} ({last}); try `make vllm-suffix`"
 
 
 class VllmSession:

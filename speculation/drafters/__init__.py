@@ -28,7 +28,8 @@ from speculation.policy.cost import VerifyCost, measure_cost_model
 from speculation.drafters.base import DraftContext, Drafter, Proposal, Reportable, StepOutcome, WeightSwappable
 from speculation.drafters.eagle3 import build_eagle3_drafter
 from speculation.drafters.graft import build_graft_drafter
-from speculation.drafters.retrieval import RetrievalDrafter
+from speculation.drafters.retrieval import RetrievalDrafter, new_store
+from speculation.drafters.suffix_store import SuffixStore
 from speculation.drafters.specblock import build_specblock_drafter
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "StepOutcome",
     "WeightSwappable",
     "build_drafter",
+    "drafter_factory",
     "resolve_methods",
 ]
 
@@ -57,6 +59,8 @@ class DrafterType(str, enum.Enum):
 
 BUILTIN_VARIANTS: dict[str, Mapping[str, Any]] = {
     "graft_specblock": {"type": "graft", "tree_drafter": {"type": "specblock"}},  # Graft over SpecBlock
+    # Retrieval plus the cross-request suffix store (SuffixDecoding): earlier outputs, 1M tokens.
+    "retrieval_store": {"type": "retrieval", "store_tokens": 1_000_000},
 }
 """Method names usable without ``--config``: a type plus options (a config section overrides them)."""
 
@@ -64,9 +68,10 @@ DrafterBuilder = Callable[[Any, Any, VerifyCost | None], Drafter]
 """``build(config, target, cost_model) -> drafter``: every drafter type's builder."""
 
 
-def build_retrieval_drafter(config: RetrievalConfig, target: Any, cost_model: VerifyCost | None) -> RetrievalDrafter:
+def build_retrieval_drafter(config: RetrievalConfig, target: Any, cost_model: VerifyCost | None,
+                            store: SuffixStore | None = None) -> RetrievalDrafter:
     """A :class:`RetrievalDrafter` for ``target`` (reads only ``target.vocab_size``)."""
-    return RetrievalDrafter(config, target.vocab_size, cost_model)
+    return RetrievalDrafter(config, target.vocab_size, cost_model, store)
 
 
 @dataclass(frozen=True)
@@ -138,3 +143,23 @@ def build_drafter(spec: MethodSpec, target: Any, cost_model: VerifyCost | None =
     if size and cost_model is None:
         cost_model = measure_cost_model(target, max_size=size)
     return _REGISTRY[spec.type].build(spec.config, target, cost_model)
+
+
+def drafter_factory(spec: MethodSpec, target: Any, cost_model: VerifyCost | None = None) -> Callable[[], Drafter] | None:
+    """``factory() -> drafter`` building one fresh drafter per request, for an engine or a
+    replica (None for vanilla).
+
+    What the drafters of one engine share is made once here: the verify curve c(T) (measured on
+    ``target`` now when needed and not given) and, for a retrieval method with
+    ``store_tokens > 0``, one cross-request :class:`SuffixStore` that every drafter reads and
+    every finished request feeds.
+    """
+    if spec.type == DrafterType.VANILLA:
+        return None
+    size = spec.config.verify_curve_size()
+    if size and cost_model is None:
+        cost_model = measure_cost_model(target, max_size=size)
+    if spec.type == DrafterType.RETRIEVAL:
+        store = new_store(spec.config)
+        return lambda: build_retrieval_drafter(spec.config, target, cost_model, store)
+    return lambda: _REGISTRY[spec.type].build(spec.config, target, cost_model)

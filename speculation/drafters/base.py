@@ -124,6 +124,18 @@ class SkippableDrafter(Drafter, Protocol):
 
 
 @runtime_checkable
+class FinishingDrafter(Drafter, Protocol):
+    """A drafter that learns from a whole finished sequence (e.g. the cross-request suffix store).
+
+    Called once, after the step that ended the sequence (a stop token or the length limit), in
+    place of that step's ``observe``; an aborted sequence gets no call."""
+
+    def finish(self, ctx: DraftContext, output: list[int]) -> None:
+        """``output``: the sequence's generated tokens as returned to the caller."""
+        ...
+
+
+@runtime_checkable
 class VerifyTimed(Protocol):
     """A drafter that sizes its trees by a verify-cost curve and corrects that curve from live steps.
 

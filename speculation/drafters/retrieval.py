@@ -9,6 +9,10 @@ Three candidate sources feed one best-first tree builder:
    grows with the context length.
 2. **Datastore** (optional, REST style): a corpus suffix array (:class:`SuffixArrayDatastore`);
    the continuations of the longest matched context suffix form a small count trie.
+   **Cross-request store** (optional, SuffixDecoding style, ``store_tokens > 0``): earlier
+   requests' outputs (:class:`~speculation.drafters.suffix_store.SuffixStore`), shared by the
+   drafters of one engine; its longest match's continuations form a count trie the same way,
+   cut at a depth that grows with the match length.
 3. **Transition table** ``A[u] = top-k successors of token u`` (Token Recycling): after every
    verification, ``A[token_i]`` is overwritten with the target's top-k at tree node i (rejected
    nodes included), and prompts seed it with their bigrams. Graft reuses this table.
@@ -17,7 +21,8 @@ Tree building: best-first over estimated path probabilities ``P(child) = P(paren
 
 * trie children:   ``p = (count(child) / sum of sibling counts) * conf[l]``, where ``l`` is the
   effective match length (context match + depth below it) and ``conf[l]`` is the measured rate at
-  which such candidates were accepted when tested;
+  which such candidates were accepted when tested (one ``conf`` per source: the request's own
+  index and datastore share one, the cross-request store has its own);
 * table children:  ``p = conf_rank[j]`` for the j-th successor, measured the same way.
 
 A candidate is *tested* when its parent was accepted; the per-bucket rates are exponential
@@ -41,86 +46,9 @@ import torch
 from speculation.config import ConfigError, RetrievalConfig
 from speculation.policy.cost import OnlineCostModel, VerifyCost, online
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome
+from speculation.drafters.suffix_store import StoreMatch, SuffixStore
 from speculation.spec.tree import DraftTree, NodeSource
-
-
-_TOP_CHILDREN = 4  # continuations kept per trie node, by count: the only ones ever proposed
-_TRIE_ROOT = 0  # node id of a CountTrie's root (the empty substring)
-
-
-class CountTrie:
-    """A count trie in flat int lists: node ids are ints (0 = the root), nothing per node is a
-    Python object.
-
-    Per node ``n``: ``count[n]`` (occurrences of the substring ending at n), ``total[n]`` (the sum
-    of its children's counts) and ``top(n)`` (up to ``_TOP_CHILDREN`` child tokens, most frequent
-    first, maintained incrementally so proposing never scans all children). The edge
-    ``(n, token) -> child`` is one entry of an int-to-int dict keyed ``n << 32 | token``.
-
-    Why flat: a node-object trie holds about three garbage-collected objects per node, i.e. per
-    indexed token times the depth. Sixteen 300-token contexts at depth 14 added ~380k objects,
-    and every full collection then walked them all (0.27-0.38 s each, a stall of two batched
-    steps at N = 16). Here the collector tracks three int lists whatever the trie's size (the
-    int-to-int dict is not tracked at all), and walking a list of ints is a C loop.
-    """
-
-    _SHIFT = 32
-
-    def __init__(self) -> None:
-        self.count: list[int] = [0]
-        self.total: list[int] = [0]
-        self._top: list[int] = [-1] * _TOP_CHILDREN  # [nodes * _TOP_CHILDREN], -1 = empty
-        self._edges: dict[int, int] = {}
-
-    def __len__(self) -> int:
-        return len(self.count)
-
-    def child(self, node: int, token: int) -> int | None:
-        return self._edges.get(node << self._SHIFT | token)
-
-    def top(self, node: int) -> list[int]:
-        """The most frequent child tokens of ``node``, most frequent first."""
-        base = node * _TOP_CHILDREN
-        return [t for t in self._top[base : base + _TOP_CHILDREN] if t >= 0]
-
-    def bump(self, node: int, token: int) -> int:
-        """Count one more occurrence of ``token`` after ``node``; return the child (O(1))."""
-        key = node << self._SHIFT | token
-        child = self._edges.get(key)
-        count = self.count
-        if child is None:
-            child = len(count)
-            count.append(0)
-            self.total.append(0)
-            self._top.extend(_EMPTY_TOP)
-            self._edges[key] = child
-        count[child] += 1
-        self.total[node] += 1
-        top, edges, shift = self._top, self._edges, self._SHIFT
-        base = node * _TOP_CHILDREN
-        i = -1
-        for j in range(base, base + _TOP_CHILDREN):
-            t = top[j]
-            if t == token:
-                i = j
-                break
-            if t < 0:  # a free slot: the token was not listed
-                top[j] = token
-                i = j
-                break
-        if i < 0:  # listed children are full: replace the last if this one is now more frequent
-            last = base + _TOP_CHILDREN - 1
-            if count[child] <= count[edges[node << shift | top[last]]]:
-                return child
-            top[last] = token
-            i = last
-        while i > base and count[edges[node << shift | top[i - 1]]] < count[child]:
-            top[i - 1], top[i] = top[i], top[i - 1]
-            i -= 1
-        return child
-
-
-_EMPTY_TOP = (-1,) * _TOP_CHILDREN
+from speculation.drafters.count_trie import TRIE_ROOT as _TRIE_ROOT, CountTrie
 
 
 class SuffixIndex:
@@ -285,6 +213,7 @@ class _Kind(enum.IntEnum):
 
     SUFFIX = 0
     TABLE = 1
+    STORE = 2  # the cross-request suffix store
 
 
 @dataclass
@@ -302,19 +231,23 @@ _MAX_BUCKET = 8  # effective match lengths >= this share one calibration bucket
 
 
 class RetrievalDrafter:
-    """Suffix-index + datastore + transition-table drafter behind the :class:`Drafter` protocol.
+    """Suffix-index + datastore + store + transition-table drafter behind the :class:`Drafter` protocol.
 
     Args:
         config: the drafter's knobs.
         vocab_size: the target's vocabulary size (rows of the transition table).
         cost_model: the target's measured verify curve c(T); required when ``config.cost_aware``
             (each tree is then cut to the size c(T) favours), ignored otherwise.
+        store: the cross-request suffix store to share (:func:`new_store` builds one per engine);
+            None with ``config.store_tokens > 0`` gives this drafter its own, which still spans
+            every request it drafts for (a solo loop reuses one drafter).
     """
 
     name = "retrieval"
     needs_aux = False
 
-    def __init__(self, config: RetrievalConfig, vocab_size: int, cost_model: VerifyCost | None = None) -> None:
+    def __init__(self, config: RetrievalConfig, vocab_size: int, cost_model: VerifyCost | None = None,
+                 store: SuffixStore | None = None) -> None:
         if config.cost_aware and cost_model is None:
             raise ConfigError(
                 "retrieval.cost_aware is true but no verify-cost model c(T) was given: build the drafter with "
@@ -334,6 +267,11 @@ class RetrievalDrafter:
         # Table ranks: buckets 0..k-1 for first-order rows, k..2k-1 for second-order rows.
         k = max(1, config.transition_topk)
         self.rank_conf = [_Rate(0.35 / (1 + j)) for j in range(k)] + [_Rate(0.5 / (1 + j)) for j in range(k)]
+        self.store = store if store is not None else new_store(config)
+        self.store_conf = [_Rate(min(0.9, 0.3 + 0.1 * b)) for b in range(_MAX_BUCKET + 1)]
+        self._store_docs: tuple[int, ...] = ()  # documents the last propose drafted from
+        self._store_match = 0
+        self._last_hit: StoreMatch | None = None  # the last build_tree's store match
         self.index = SuffixIndex(config.max_match_len + config.max_depth)
         self._full: tuple[DraftTree, list[tuple[_Kind, int] | None]] = (DraftTree(0), [None])
         self._skipped = False  # the last step was sat out (skip): observe leaves the index behind
@@ -349,6 +287,8 @@ class RetrievalDrafter:
         self._skipped = False
         self._sync(ctx.tokens)
         tree, meta = self.build_tree(ctx.tokens, self.config.budget)
+        hit = self._last_hit  # this tree's store match (Graft's anchored lookups come later)
+        self._store_docs, self._store_match = (hit.docs, hit.length) if hit is not None else ((), 0)
         self._full = (tree, meta)
         if self.cost_model is not None and len(tree) > 1:
             # Nodes were added best-first (decreasing path probability, parents first), so
@@ -356,7 +296,23 @@ class RetrievalDrafter:
             n = self.cost_model.best_prefix([math.exp(s) for s in tree.scores[1:]], context=len(ctx.tokens))
             if n < len(tree) - 1:
                 tree = tree.subtree(range(n + 1))
-        return Proposal(tree=tree, drafter_forwards=0)
+        if self.store is None:
+            return Proposal(tree=tree, drafter_forwards=0)
+        from_store = sum(1 for m in meta[1 : len(tree)] if m is not None and m[0] == _Kind.STORE)
+        return Proposal(tree=tree, drafter_forwards=0,
+                        stats={"store_match_len": float(self._store_match), "store_nodes": float(from_store)})
+
+    def finish(self, ctx: DraftContext, output: list[int]) -> None:
+        """Put the finished request into the store (:class:`~speculation.drafters.base.FinishingDrafter`):
+        its output, or prompt + output with ``store_prompts``."""
+        if self.store is None:
+            return
+        prompt = ctx.tokens[: ctx.prompt_len] if self.config.store_prompts else []
+        self.store.add([*prompt, *output])
+
+    def report(self) -> dict:
+        """The cross-request store's counters (:class:`~speculation.drafters.base.Reportable`); {} without one."""
+        return {"suffix_store": self.store.stats()} if self.store is not None else {}
 
     def observe_verify(self, size: int, context: int, seconds: float) -> None:
         """Correct c(T) by one live verify (:class:`~speculation.drafters.base.VerifyTimed`)."""
@@ -377,17 +333,21 @@ class RetrievalDrafter:
         # tested, whether or not the cost model let it be verified.
         full, meta = self._full
         truth = [*outcome.accepted_tokens[1:], outcome.bonus_token]
+        rates_of = {_Kind.SUFFIX: self.suffix_conf, _Kind.TABLE: self.rank_conf, _Kind.STORE: self.store_conf}
         cur = 0
+        store_hit = False
         for tok in truth:
             for c in full.children(cur):
                 if meta[c] is not None:
                     kind, bucket = meta[c]
-                    rates = self.suffix_conf if kind == _Kind.SUFFIX else self.rank_conf
-                    rates[bucket].update(full.tokens[c] == tok)
+                    rates_of[kind][bucket].update(full.tokens[c] == tok)
             nxt = full.child(cur, tok)
             if nxt is None:
                 break
+            store_hit |= meta[nxt] is not None and meta[nxt][0] == _Kind.STORE
             cur = nxt
+        if store_hit and self.store is not None:
+            self.store.credit(self._store_docs)
         if self.table is not None and outcome.target_topk is not None:
             tree = outcome.tree
             root_prev = ctx.tokens[-len(outcome.accepted) - 2] if len(ctx.tokens) > len(outcome.accepted) + 1 else None
@@ -442,11 +402,12 @@ class RetrievalDrafter:
         heap: list[tuple[float, int, int, int, _Kind, int, tuple[CountTrie, int] | None]] = []
         counter = 0
 
-        def push_trie(parent: int, logp: float, trie: CountTrie, node: int, eff_len: int) -> None:
+        def push_trie(parent: int, logp: float, trie: CountTrie, node: int, eff_len: int,
+                      kind: _Kind = _Kind.SUFFIX) -> None:
             """Queue ``node``'s top children: p(child) = count(child) / total(node) * conf(bucket)."""
             nonlocal counter
             bucket = min(eff_len, _MAX_BUCKET)
-            conf = self.suffix_conf[bucket].value
+            conf = (self.store_conf if kind == _Kind.STORE else self.suffix_conf)[bucket].value
             total = trie.total[node]
             for tok in trie.top(node):
                 child = cast(int, trie.child(node, tok))
@@ -454,7 +415,7 @@ class RetrievalDrafter:
                 if p < cfg.min_token_prob:
                     continue
                 counter += 1
-                heapq.heappush(heap, (-(logp + math.log(p)), counter, parent, tok, _Kind.SUFFIX, bucket, (trie, child)))
+                heapq.heappush(heap, (-(logp + math.log(p)), counter, parent, tok, kind, bucket, (trie, child)))
 
         def push_table(parent: int, logp: float, prev: int | None, token: int) -> None:
             nonlocal counter
@@ -477,6 +438,11 @@ class RetrievalDrafter:
             found = self.datastore.lookup(tokens, cfg.min_match_len, cfg.max_depth)
             if found is not None:
                 push_trie(root_node, base_logp, found[1], _TRIE_ROOT, found[0])
+        self._last_hit = None
+        if self.store is not None:
+            hit = self._last_hit = self.store.lookup(tokens, cfg.max_depth)
+            if hit is not None:
+                push_trie(root_node, base_logp, hit.trie, _TRIE_ROOT, hit.length, _Kind.STORE)
         root_prev = (
             tree.tokens[tree.parents[root_node]] if root_node > 0 else (tokens[-2] if len(tokens) > 1 else None)
         )
@@ -494,6 +460,15 @@ class RetrievalDrafter:
             if tree.depths[idx] - root_depth >= cfg.max_depth:
                 continue
             if trie_child is not None and trie_child[0].total[trie_child[1]]:
-                push_trie(idx, -neg_logp, trie_child[0], trie_child[1], bucket + 1)
+                push_trie(idx, -neg_logp, trie_child[0], trie_child[1], bucket + 1, kind)
             push_table(idx, -neg_logp, tree.tokens[parent], tok)
         return tree, meta
+
+
+def new_store(config: RetrievalConfig) -> SuffixStore | None:
+    """The cross-request store ``config`` asks for (None when ``store_tokens`` is 0): build one per
+    engine or replica and pass it to every drafter it builds."""
+    if not config.store_tokens:
+        return None
+    return SuffixStore(config.store_tokens, key_len=config.store_key_len,
+                       max_match_len=max(config.store_key_len, 32), depth_factor=config.store_depth_factor)

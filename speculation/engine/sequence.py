@@ -18,7 +18,7 @@ import torch
 
 from speculation.spec import verify as V
 from speculation.config import SamplingConfig
-from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
+from speculation.drafters.base import DraftContext, Drafter, FinishingDrafter, Proposal, StepOutcome
 from speculation.model.target import TreeForward
 from speculation.spec.tree import DraftTree, NodeSource
 
@@ -231,7 +231,15 @@ class DecodingSequence:
         if self.drafter is not None:
             self.drafter.begin(self.ctx, prompt_aux)
         self.prefill_s = time.perf_counter() - self.t0
-        return self._append([tok])
+        kept = self._append([tok])
+        if self.finished is not None:
+            self._finish_drafter()
+        return kept
+
+    def _finish_drafter(self) -> None:
+        """Hand a finished sequence's output to a :class:`FinishingDrafter`."""
+        if isinstance(self.drafter, FinishingDrafter):
+            self.drafter.finish(self.ctx, list(self.out))
 
     def propose(self, max_tree: int | None = None) -> tuple[DraftTree, Proposal | None, float]:
         """The tree to verify (cut to its best ``max_tree`` nodes, root included), the proposal, seconds."""
@@ -288,6 +296,8 @@ class DecodingSequence:
             )
             if self.finished is None:
                 drafter.observe(self.ctx, outcome)
+            else:
+                self._finish_drafter()
             if self.feedback is not None:
                 self.feedback(self.ctx, outcome)
         td = time.perf_counter()

@@ -15,7 +15,10 @@ root alone: plain decoding) is always a candidate, so speculation never runs at 
 
 c(T, L) is measured on the target at a few context lengths L (:data:`DEFAULT_CONTEXTS`) and
 interpolated bilinearly: linear in T between measured sizes (linear in the last slope beyond the
-largest), linear in L between measured contexts (flat beyond the ends). On a CUDA target every
+largest), linear in L between measured contexts (flat below the shortest, linear in the last
+non-negative slope beyond the longest: attention's cost per verified token grows linearly in L, so
+a curve measured to 1K still prices an 8K context; benchmarks/long_context.py checks this against
+c(T, L) measured to 8K). On a CUDA target every
 timed call is bracketed by ``torch.cuda.synchronize``, so c(T, L) is device time, not launch time.
 """
 
@@ -114,11 +117,12 @@ class VerifyCostModel:
 
     def cost(self, size: int, context: int | None = None) -> float:
         """c(size, context): linear in size (in the last slope beyond the largest), linear in the
-        context between measured lengths; ``context`` None (or no grid) uses the 1-D curve."""
+        context (in the last slope beyond the longest measured); ``context`` None (or no grid) uses
+        the 1-D curve."""
         if context is None or not self.contexts:
             return interp(self.sizes, self.seconds, size, extrapolate=True)
         per_ctx = [interp(self.sizes, row, size, extrapolate=True) for row in self.grid]
-        return interp(self.contexts, per_ctx, context, extrapolate=False)
+        return interp(self.contexts, per_ctx, context, extrapolate=True)
 
     def best_prefix(self, path_probs: Sequence[float], drafting_s: float = 0.0, context: int | None = None) -> int:
         """The n maximising ``(1 + sum(path_probs[:n])) / (c(n + 1, context) + drafting_s)``."""
