@@ -59,6 +59,8 @@ def _plots_of(stem: str) -> list[Path]:
 # the tables come from the JSON only.
 SECTIONS: dict[str, str] = {
     "workload_code_edit_fp32": "Workload code_edit: rewriting a pasted function (fp32)",
+    "workload_code_edit_suffix_fp32": "Workload code_edit against vLLM's n-gram and SuffixDecoding (fp32)",
+    "workload_agentic_suffix_fp32": "Workload agentic against vLLM's n-gram and SuffixDecoding (fp32)",
     "workload_agentic_fp32": "Workload agentic: ReAct transcripts with JSON tool calls (fp32)",
     "workload_code_edit_concurrency_fp32": "Workload code_edit under load: N = 1 and 8 with the goodput rule (fp32)",
     "long_context_fp32": "Long context: c(T, L) to 8K and the longdoc workloads (fp32)",
