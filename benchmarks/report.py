@@ -147,12 +147,14 @@ class Claim:
 
 
 def _host(res: dict) -> str:
-    """The machine of one result, short: the CPU family its ``env.cpu`` names."""
-    cpu = res.get("env", {}).get("cpu", "?")
+    """The machine of one result, short: the CPU family its ``env.cpu`` names, and its bf16 ISA."""
+    env = res.get("env", {})
+    cpu = env.get("cpu", "?")
+    isa = f" ({env['cpu_isa']})" if env.get("cpu_isa") else ""  # recorded since 2026-12-06
     for family in ("Xeon", "EPYC"):
         if family in cpu:
-            return f"{'Intel' if family == 'Xeon' else 'AMD'} {family}"
-    return cpu
+            return f"{'Intel' if family == 'Xeon' else 'AMD'} {family}{isa}"
+    return cpu + isa
 
 
 def _foundation(r: dict) -> str:

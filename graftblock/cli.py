@@ -58,6 +58,7 @@ from speculation.config import (
     parse_concurrency,
 )
 from speculation.drafters import DrafterType, resolve_methods
+from speculation.model.prefix_cache import PrefixCacheConfig
 from speculation.model.target import load_target
 
 
@@ -91,6 +92,23 @@ def _check_ray_concurrency_methods(methods: list[str], method_configs: dict | No
 def _ray_batch_target(dep, target):
     """The batched slot API over ``dep``'s shard actors, with ``target``'s tokenizer and aux layers."""
     return RayBatchTarget(dep.shards, dep.info, tokenizer=target.tokenizer, aux_layers=target.aux_layers)
+
+
+def _prefix_cache_from_args(args: argparse.Namespace, levels: list[int]) -> PrefixCacheConfig | None:
+    """``--prefix-cache``'s config, refused by flag name where it cannot apply."""
+    if not args.prefix_cache:
+        return None
+    if args.prefill_chunk_tokens is None:
+        raise ConfigError("--prefix-cache needs --prefill-chunk-tokens: rows are reused on that prefill grid")
+    if levels:
+        raise ConfigError("--prefix-cache applies to solo runs only: drop --concurrency, or the prefix cache")
+    if args.ray:
+        raise ConfigError("--prefix-cache runs on the in-process target only: drop --ray, or the prefix cache")
+    try:
+        return PrefixCacheConfig(chunk_tokens=args.prefill_chunk_tokens, max_tokens=args.prefix_cache_tokens)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("prefix_cache.max_tokens", "--prefix-cache-tokens")
+                          .replace("prefix_cache.chunk_tokens", "--prefill-chunk-tokens")) from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -128,6 +146,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.prefill_chunk_tokens is not None or args.prefill_step_tokens is not None:  # checked before the weights load
         BatchConfig(fold_prefills=args.fold_prefills, prefill_chunk_tokens=args.prefill_chunk_tokens,
                     prefill_step_tokens=args.prefill_step_tokens)
+    prefix_cache = _prefix_cache_from_args(args, levels)
     device = _check_device(args.device)
     out = json_path(args, "bench")
     store = _open_store(args)  # a bad tracking store fails now, not after the run
@@ -141,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with ray_cli.deployment(args, target) as dep:
         result = run_bench(cfg, target, questions, method_configs, progress,
                            method_parts=None if dep is None else dep.method_parts,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens)
+                           prefill_chunk_tokens=args.prefill_chunk_tokens, prefix_cache=prefix_cache)
         if levels:
             # With --ray the batched engine drives the deployment's shard actors: one call per
             # shard per step for all live sequences (cluster/batch_backend.py).
@@ -290,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-step-tokens", type=int, default=None,
                    help="--concurrency with --prefill-chunk-tokens: at most this many prompt tokens per step over all "
                         "arriving prompts")
+    b.add_argument("--prefix-cache", action="store_true",
+                   help="solo runs: each method reuses the prompt KV rows of its own earlier turns on the "
+                        "--prefill-chunk-tokens grid (same bits as without; vLLM peers do this by default)")
+    b.add_argument("--prefix-cache-tokens", type=int, default=PrefixCacheConfig.max_tokens,
+                   help="--prefix-cache: rows kept per method before least-recently-used eviction")
     b.add_argument("--device", default="cpu", help="cpu | cuda (the in-process target and drafters)")
     add_json_arg(b, "bench")
     add_tracking_args(b)

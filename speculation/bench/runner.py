@@ -25,7 +25,7 @@ from speculation import assets
 from speculation.bench import vllm_peers
 from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedup
 from speculation.bench.peers import Peer, available_peers, parse_peers, peer_stats, reset_peer_stats, run_hf_batched, run_peer
-from speculation.config import BenchConfig, EngineConfig, to_dict
+from speculation.config import BenchConfig, ConfigError, EngineConfig, to_dict
 from speculation.drafters import (
     Drafter,
     DrafterType,
@@ -38,6 +38,7 @@ from speculation.drafters import (
 from speculation.spec.step import DraftingCheck
 from speculation.engine.sequence import GenerationResult, TargetBackend
 from speculation.engine.solo import generate_speculative, generate_vanilla
+from speculation.model.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCachedTarget, PrefixCacheStats
 from speculation.model.target import TargetModel
 
 BASELINE = "vanilla"
@@ -66,13 +67,26 @@ def median_call_s(fn: Callable[[], Any], calls: int = 60, warmup: int = 10) -> f
     return statistics.median(times)
 
 
+def _bf16_isa(flags: set[str]) -> str | None:
+    """The widest bf16-capable vector ISA in ``flags`` (``/proc/cpuinfo``): where bf16 runs natively
+    (AMX, AVX-512 BF16) and where it is emulated (AVX-512, AVX2); None when unknown."""
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
+                       ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return None
+
+
 def environment() -> dict:
     """Machine and software facts recorded with every result."""
     cpu = platform.processor()
+    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == platform.processor():
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
@@ -89,6 +103,7 @@ def environment() -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "cpu": cpu,
+        "cpu_isa": _bf16_isa(flags),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -121,14 +136,18 @@ class _Runner:
 
     def __init__(self, name: str, target: TargetModel, engine: EngineConfig,
                  spec: MethodSpec | None = None, peer: Peer | None = None,
-                 method_parts: MethodParts | None = None) -> None:
+                 method_parts: MethodParts | None = None, prefix_cache: PrefixCacheConfig | None = None) -> None:
         self.name = name
         self.target = target
         self.engine = engine
         self.spec = spec
         self.peer = peer
         self.method_parts = method_parts
-        self.backend: TargetBackend[Any] = target
+        # Each method keeps its own conversations, so each gets its own prompt cache: what a server
+        # serving those conversations would hold (peers keep their own: vLLM's prefix caching).
+        self.cached: PrefixCachedTarget | None = (
+            PrefixCachedTarget(target, PrefixCache(prefix_cache)) if prefix_cache is not None and peer is None else None)
+        self.backend: TargetBackend[Any] = self.cached if self.cached is not None else target
         self.drafter = self.build()
 
     def build(self) -> Drafter | None:
@@ -144,7 +163,7 @@ class _Runner:
         if self.peer is not None:
             return run_peer(self.peer, self.target, prompt_ids, self.engine.max_new_tokens, self.engine.sampling)
         if self.drafter is None:
-            return generate_vanilla(self.target, prompt_ids, self.engine)
+            return generate_vanilla(self.backend, prompt_ids, self.engine)
         return generate_speculative(self.backend, self.drafter, prompt_ids, self.engine)
 
 
@@ -156,11 +175,15 @@ def run_bench(
     progress: Callable[[int, int, str], None] | None = None,
     method_parts: MethodParts | None = None,
     prefill_chunk_tokens: int | None = None,
+    prefix_cache: PrefixCacheConfig | None = None,
 ) -> dict:
     """Run the bench and return the result dict (the bench contract, docs/architecture.md §5).
 
     ``prefill_chunk_tokens``: every method's prompt is prefilled in forwards of at most this many
     tokens (``EngineConfig.prefill_chunk_tokens``; long documents), None = one forward.
+    ``prefix_cache``: each method (vanilla included) reuses the prompt rows of its own earlier
+    turns (:mod:`speculation.model.prefix_cache`; its grid must be ``prefill_chunk_tokens``), as
+    vLLM's peers do with their automatic prefix caching. Not with ``method_parts``.
 
     ``method_parts(spec) -> (backend, drafter)``, when given, supplies every non-vanilla
     method's target backend and a fresh drafter (e.g. Ray actors); vanilla and peers still run
@@ -172,11 +195,18 @@ def run_bench(
     if BASELINE not in names:
         names.insert(0, BASELINE)
     specs = resolve_methods(names, method_configs)
+    if prefix_cache is not None:
+        if prefix_cache.chunk_tokens != prefill_chunk_tokens:
+            raise ConfigError(f"prefix_cache reuses rows on a {prefix_cache.chunk_tokens}-token prefill grid: "
+                              f"prefill_chunk_tokens must be {prefix_cache.chunk_tokens}, got {prefill_chunk_tokens}")
+        if method_parts is not None:
+            raise ConfigError("prefix_cache runs on the in-process target only: drop it with Ray backends")
     peers, peers_unavailable = available_peers(parse_peers(",".join(cfg.peers)))
     engine = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling,
                           prefill_chunk_tokens=prefill_chunk_tokens)
     tok = target.tokenizer
-    runners = [_Runner(s.name, target, engine, spec=s, method_parts=method_parts) for s in specs]
+    runners = [_Runner(s.name, target, engine, spec=s, method_parts=method_parts, prefix_cache=prefix_cache)
+               for s in specs]
     runners += [_Runner(p.value, target, engine, peer=p) for p in peers]
     results = {r.name: MethodRuns(r.name) for r in runners}
 
@@ -188,10 +218,14 @@ def run_bench(
         for r in runners:
             for _ in range(cfg.warmup):
                 r.generate(warm_ids)
-        # Drafters start measured runs from a fresh state: warm-up must not leak retrieval data.
+        # Drafters start measured runs from a fresh state: warm-up must not leak retrieval data
+        # (nor prompt rows: the first measured turn must not find its prompt cached).
         for r in runners:
             if r.spec is not None:
                 r.drafter = r.build()
+            if r.cached is not None:
+                r.cached.cache.clear()
+                r.cached.cache.stats = PrefixCacheStats()
         reset_peer_stats()
 
     for qi, q in enumerate(questions):
@@ -227,6 +261,7 @@ def run_bench(
         "temperature": cfg.sampling.temperature,
         "sampling": to_dict(cfg.sampling),
         "prefill_chunk_tokens": prefill_chunk_tokens,
+        "prefix_cache": None if prefix_cache is None else to_dict(prefix_cache),
         "env": environment(),
         "bench_config": to_dict(cfg),
         "methods": {},
@@ -247,6 +282,8 @@ def run_bench(
             out["peers"][r.name] = summary
             continue
         summary["lossless"] = True if r.name == BASELINE else _lossless(summary, cfg)
+        if r.cached is not None:
+            summary["prefix_cache"] = r.cached.cache.stats.as_dict()
         summary["config"] = {"type": r.spec.type.value, **r.spec.config_dict()}
         if isinstance(r.drafter, Reportable) and (report := r.drafter.report()):
             summary["drafter_report"] = report  # e.g. Graft's chosen dense budget and why; the suffix store's counters

@@ -30,6 +30,7 @@ from speculation.config import BatchLayout, ConfigError, DType
 from speculation.model.batch_target import ReleasedSequenceError, SlotState
 from speculation.model.kv_reserve import reserve_rows
 from speculation.model.lean_forward import LeanDecoder, RaggedRows
+from speculation.model.prefix_cache import PrefixHit, inject
 from speculation.model.tree_attention import (
     batch_tree_attention_inputs,
     causal_positions,
@@ -202,7 +203,8 @@ class TargetModel:
 
     @torch.inference_mode()
     def prefill(
-        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None
+        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None,
+        reuse: PrefixHit | None = None,
     ) -> tuple[TargetState, torch.Tensor, torch.Tensor | None]:
         """Run the prompt. Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None).
 
@@ -210,12 +212,26 @@ class TargetModel:
         j being tokens ``jC .. (j+1)C - 1``: the first causal over itself, each later one over the
         cached chunks before it and causally over itself (:func:`chunk_attention_inputs`), the
         calls a batched step makes for a chunked prompt row, so the batched engine's chunked
-        prefill gives these bits. Equal to the one-forward prefill up to summation order."""
+        prefill gives these bits. Equal to the one-forward prefill up to summation order.
+
+        ``reuse``: the first ``reuse.rows`` positions' rows from an earlier prompt on the same grid
+        (:class:`~speculation.model.prefix_cache.PrefixCache`, a multiple of ``chunk_tokens`` and
+        shorter than ``ids``); only the chunks after them run, and the result is the same bits."""
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
         chunks = prompt_chunks(ids, chunk_tokens)
         state = TargetState(cache=reserve_rows(DynamicCache(config=self.model.config)))
         auxes = []
+        if reuse is not None:
+            if chunk_tokens is None or reuse.rows % chunk_tokens or not 0 < reuse.rows < len(ids):
+                raise ValueError(f"reuse of {reuse.rows} rows needs a chunk grid that divides it and a longer "
+                                 f"prompt (chunk_tokens={chunk_tokens}, prompt of {len(ids)} tokens)")
+            if need_aux and reuse.aux is None:
+                raise ValueError("reuse without auxiliary features cannot serve a prefill with need_aux")
+            inject(_cache(state), reuse, chunk_tokens)
+            chunks = [(lo, chunk) for lo, chunk in chunks if lo >= reuse.rows]
+            if need_aux:
+                auxes.append(reuse.aux)
         for lo, chunk in chunks:
             input_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)  # [1, c]
             mask, positions = chunk_attention_inputs(lo, len(chunk), self.device)
