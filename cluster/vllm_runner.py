@@ -3,8 +3,8 @@
     .venv-vllm/bin/python -m cluster.vllm_runner '<VllmSpec JSON>'
 
 Protocol: :mod:`speculation.bench.vllm_peers`. One request line at a time. A generation request
-is answered with the generated token ids, the wall time of vLLM's ``generate`` call, and the
-deltas of vLLM's speculative-decoding counters over that call. A ``closed_loop`` request runs
+is answered with the generated token ids, the wall time of vLLM's ``generate`` call, its
+time to the first token (vLLM's request stats; the prefill), and the deltas of vLLM's speculative-decoding counters over that call. A ``closed_loop`` request runs
 ``concurrency`` clients over vLLM's engine loop (``add_request`` / ``step``): each client sends
 the next prompt as soon as its request finishes; the answer carries every request's tokens, its
 add, first-token and finish times, the inter-token gaps, the wall time and the counters' deltas.
@@ -36,6 +36,14 @@ def _counters(llm: object) -> dict[str, int]:
         if isinstance(metric, Counter) and metric.name in COUNTERS:
             out[COUNTERS[metric.name]] += int(metric.value)
     return out
+
+
+def _first_token_s(output: object) -> float | None:
+    """Seconds from the request's arrival to its first token (vLLM's own per-request stats: the
+    prefill, prefix-cache hits included, and the first sampling), or None when vLLM kept none."""
+    stats = getattr(output, "metrics", None)
+    latency = getattr(stats, "first_token_latency", 0.0) if stats is not None else 0.0
+    return float(latency) if latency > 0 else None
 
 
 def _params(s: dict, max_new_tokens: int, seed_offset: int = 0):
@@ -138,7 +146,7 @@ def main(argv: list[str]) -> int:
         out = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)
         wall = time.perf_counter() - t0
         after = _counters(llm)
-        answer = {"tokens": list(out[0].outputs[0].token_ids), "wall_s": wall}
+        answer = {"tokens": list(out[0].outputs[0].token_ids), "wall_s": wall, "prefill_s": _first_token_s(out[0])}
         answer.update({k: after[k] - before[k] for k in COUNTERS.values()})
         protocol.write(json.dumps(answer) + "\n")
     return 0

@@ -207,6 +207,9 @@ def test_vllm_retrieval_custom_class_is_exact(prompts, vllm_plain):
     assert [r.tokens for r in ours] == [r.tokens for r in plain]
     assert sum(r.drafts for r in ours) > 0
     assert sum(r.accepted for r in ours) > 0
+    # each request's time to its first token (vLLM's request stats) lies inside its generate call
+    for r in [*plain, *ours]:
+        assert r.prefill_s is not None and 0.0 < r.prefill_s < r.wall_s, (r.prefill_s, r.wall_s)
 
 
 @needs_vllm

@@ -7,8 +7,8 @@ Definitions (Spec-Bench ``evaluation/speed.py``; docs/algorithms.md §7):
 * speedup             = tokens_per_s(method) / tokens_per_s(vanilla), same prompts, same run;
 * tau                 = mean over all verify steps (pooled) of tokens gained per step (bonus included);
 * drafting_share      = drafting seconds / total wall seconds;
-* decode_tokens_per_s = all new tokens / (wall - prefill seconds), pooled (ours only: peers
-  report no prefill time); decode_speedup is its ratio to vanilla's. Spec-Bench's speed counts
+* decode_tokens_per_s = all new tokens / (wall - prefill seconds), pooled (ours, and vLLM
+  peers by their time to first token; HF peers report no prefill time); decode_speedup is its ratio to vanilla's. Spec-Bench's speed counts
   the prefill, which dominates a long prompt on a CPU; this one isolates the decode loop;
 * mean_tree_size      = mean verified tokens per step (root included);
 * acceptance_per_depth[d-1] = P(accepted length >= d | the tree reached depth d), pooled over steps.

@@ -128,6 +128,8 @@ class VllmResult:
     drafts: int
     draft_tokens: int
     accepted: int
+    prefill_s: float | None = None
+    """Arrival to first token by vLLM's request stats (its prefill), None when it kept none."""
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,7 @@ def generate(peer: str, target: TargetModel, prompt_ids: list[int], max_new_toke
              sampling: SamplingConfig) -> GenerationResult:
     """One bench turn by a vLLM peer, as a :class:`GenerationResult` (timing: vLLM's ``generate``)."""
     res = session_for(peer, target).generate(prompt_ids, max_new_tokens, sampling)
-    return GenerationResult(tokens=res.tokens, wall_s=res.wall_s, prefill_s=0.0)
+    return GenerationResult(tokens=res.tokens, wall_s=res.wall_s, prefill_s=res.prefill_s or 0.0)
 
 
 def peer_stats(peer: str) -> dict:
