@@ -58,6 +58,8 @@ def _plots_of(stem: str) -> list[Path]:
 # file stem -> section title. Commentary lives in benchmarks/notes/<stem>.md, written by people;
 # the tables come from the JSON only.
 SECTIONS: dict[str, str] = {
+    "workload_code_edit_bf16": "Workload code_edit in bf16 against vLLM's n-gram and SuffixDecoding, prefix cache on (bf16)",
+    "workload_agentic_bf16": "Workload agentic in bf16 against vLLM's n-gram and SuffixDecoding, prefix cache on (bf16)",
     "workload_code_edit_fp32": "Workload code_edit: rewriting a pasted function (fp32)",
     "workload_code_edit_suffix_fp32": "Workload code_edit against vLLM's n-gram and SuffixDecoding (fp32)",
     "workload_agentic_suffix_fp32": "Workload agentic against vLLM's n-gram and SuffixDecoding (fp32)",
@@ -183,7 +185,8 @@ def _command(res: dict, path: Path) -> str:
 def _env_line(res: dict) -> str:
     env = res.get("env", {})
     return (
-        f"Date {env.get('date', '?')}; machine: {env.get('cpu', '?')} ({env.get('cpu_count', '?')} cores, "
+        f"Date {env.get('date', '?')}; machine: {env.get('cpu', '?')}"
+        f"{', ' + env['cpu_isa'] if env.get('cpu_isa') else ''} ({env.get('cpu_count', '?')} cores, "
         f"{env.get('torch_threads', '?')} torch threads); torch {env.get('torch', '?')}, transformers "
         f"{env.get('transformers', '?')}; commit {env.get('git_commit', '?')}."
     )
@@ -209,6 +212,7 @@ def render_bench(res: dict) -> list[str]:
             f"{_f(m.get('drafter_forwards_per_step'), 1)} | {_f(m.get('lossless'))} |"
         )
     lines += _unavailable(res.get("peers_unavailable"))
+    lines += _prefill_lines(res, rows)
     cats = res.get("categories", [])
     lines += ["", "Speedup (tau) per category:", ""]
     lines.append("| method | " + " | ".join(cats) + " |")
@@ -225,6 +229,25 @@ def render_bench(res: dict) -> list[str]:
                 cells.append(f"{_f(pc['speedup'], 2, '×')} ({_f(pc['tau'])})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _prefill_lines(res: dict, rows: list[tuple[str, dict]]) -> list[str]:
+    """How prompts were prefilled: the chunk grid, and what each method's prefix cache reused."""
+    chunk = res.get("prefill_chunk_tokens")
+    if chunk is None:
+        return []
+    line = f"Prompts prefilled in {chunk}-token chunks."
+    pc = res.get("prefix_cache")
+    if pc:
+        shares = [f"{name} {_f(m['prefix_cache']['reused_share'], 2)}" for name, m in rows if "prefix_cache" in m]
+        line += (f" Prefix cache on (`--prefix-cache`, {pc['max_tokens']} rows per method): each method reuses "
+                 "the prompt rows of its own earlier turns, as vLLM's automatic prefix caching does for the vLLM "
+                 f"peers; share of prompt tokens reused: {', '.join(shares)}.")
+    prefill = [f"{name} {_f(m['prefill_s'] / m['n_turns'], 2)}" for name, m in rows
+               if m.get("prefill_s") and m.get("n_turns")]
+    if prefill:
+        line += f" Prefill seconds per turn: {', '.join(prefill)} (HF peers report none; a vLLM peer's is its time to first token)."
+    return ["", line]
 
 
 def _tau(m: dict) -> float | None:

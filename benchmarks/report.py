@@ -44,6 +44,8 @@ GROUPS: dict[str, str] = {
 """Group key -> heading, in the order the groups appear."""
 
 GROUP_OF: dict[str, str] = {
+    "workload_code_edit_bf16": "workloads",
+    "workload_agentic_bf16": "workloads",
     "workload_code_edit_fp32": "workloads",
     "workload_agentic_fp32": "workloads",
     "workload_code_edit_suffix_fp32": "workloads",
@@ -150,7 +152,7 @@ def _host(res: dict) -> str:
     """The machine of one result, short: the CPU family its ``env.cpu`` names, and its bf16 ISA."""
     env = res.get("env", {})
     cpu = env.get("cpu", "?")
-    isa = f" ({env['cpu_isa']})" if env.get("cpu_isa") else ""  # recorded since 2026-12-06
+    isa = f" with {env['cpu_isa']}" if env.get("cpu_isa") else ""  # recorded since 2026-12-06
     for family in ("Xeon", "EPYC"):
         if family in cpu:
             return f"{'Intel' if family == 'Xeon' else 'AMD'} {family}{isa}"
@@ -289,6 +291,10 @@ def _workload(r: dict) -> str:
         best = max(rivals, key=lambda p: peers[p]["tokens_per_s"])
         out += (f"; {ours} {_x(ms[ours]['tokens_per_s'] / peers[best]['tokens_per_s'])} vLLM `{best.split('_')[1]}` "
                 f"({_x(peers[best]['speedup'])} our vanilla)")
+        mine, theirs = ms[ours], peers[best]
+        if mine.get("decode_tokens_per_s") and theirs.get("decode_tokens_per_s"):  # vLLM's prefill: its TTFT
+            out += (f", decode loop alone {_x(mine['decode_tokens_per_s'] / theirs['decode_tokens_per_s'])}, prefill "
+                    f"{_f(mine['prefill_s'] / mine['n_turns'], 2)} against {_f(theirs['prefill_s'] / theirs['n_turns'], 2)} s/turn")
     if "hf_prompt_lookup" in peers:
         out += f"; HF prompt lookup {_x(peers['hf_prompt_lookup']['speedup'])}"
     lossless = all(m.get("lossless") is True for m in ms.values())
@@ -317,9 +323,16 @@ def _store_memory(r: dict) -> str:
 
 
 CLAIMS: tuple[Claim, ...] = (
+    Claim("workload_code_edit_bf16", "Code editing in bf16, batch 1, against vLLM n-gram and suffix, same run",
+          "≥ 2.5× own vanilla, ≥ 1.2× the better of vLLM n-gram / suffix (#41)", _workload,
+          "Code editing: retrieval against vanilla and vLLM n-gram / SuffixDecoding, same run (bf16, {host})",
+          label="Workload: code_edit (bf16)"),
+    Claim("workload_agentic_bf16", "Agent loops in bf16, batch 1, against vLLM n-gram and suffix, same run",
+          "≥ 2.5× own vanilla, ≥ 1.2× the better of vLLM n-gram / suffix (#41)", _workload,
+          "Agent loops: retrieval against vanilla and vLLM n-gram / SuffixDecoding, same run (bf16, {host})",
+          label="Workload: agentic (bf16)"),
     Claim("workload_code_edit_fp32", "Does retrieval pay where the output copies the prompt (code editing)?",
           "≥ 2.5× own vanilla, ≥ 1.2× the best vLLM n-gram/suffix (#41)", _workload,
-          "Code editing: retrieval against vanilla, HF prompt lookup and vLLM n-gram (fp32, {host})",
           label="Workload: code_edit (fp32)"),
     Claim("workload_agentic_fp32", "Does it pay on agent loops (ReAct scratchpads, tool output)?",
           "≥ 2.5× own vanilla, ≥ 1.2× the best vLLM n-gram/suffix (#41)", _workload,
