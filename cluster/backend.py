@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from speculation.model.prefix_cache import PrefixHit
 from speculation.model.target import TargetModel, TreeForward, default_aux_layers
 from speculation.model.tree_attention import prompt_chunks
 from speculation.spec.tree import DraftTree, NodeSource
@@ -144,13 +145,18 @@ class RayTargetBackend:
 
     # ------------------------------------------------------------------ TargetBackend
     def prefill(
-        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None
+        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None,
+        reuse: PrefixHit | None = None,
     ) -> tuple[RayTargetState, torch.Tensor, torch.Tensor | None]:
         """Run the prompt on a new sequence. Returns (state, logits ``[V]``, aux ``[n, 3H]`` or None).
 
         ``chunk_tokens``: chunked prefill, as ``TargetModel.prefill``: the first chunk a prefill,
         each later one a chain-shaped tree pass over the cached chunks (the chunk mask and
-        positions), committed whole."""
+        positions), committed whole. ``reuse`` is refused: the shards keep no prompt rows across
+        sequences, so a prefix cache runs on the in-process target only."""
+        if reuse is not None:
+            raise ValueError("prefix reuse runs on the in-process target only: the Ray shards keep no "
+                             "rows across sequences (drop --prefix-cache or --ray)")
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
         chunks = prompt_chunks(ids, chunk_tokens)

@@ -94,14 +94,12 @@ def _ray_batch_target(dep, target):
     return RayBatchTarget(dep.shards, dep.info, tokenizer=target.tokenizer, aux_layers=target.aux_layers)
 
 
-def _prefix_cache_from_args(args: argparse.Namespace, levels: list[int]) -> PrefixCacheConfig | None:
+def _prefix_cache_from_args(args: argparse.Namespace) -> PrefixCacheConfig | None:
     """``--prefix-cache``'s config, refused by flag name where it cannot apply."""
     if not args.prefix_cache:
         return None
     if args.prefill_chunk_tokens is None:
         raise ConfigError("--prefix-cache needs --prefill-chunk-tokens: rows are reused on that prefill grid")
-    if levels:
-        raise ConfigError("--prefix-cache applies to solo runs only: drop --concurrency, or the prefix cache")
     if args.ray:
         raise ConfigError("--prefix-cache runs on the in-process target only: drop --ray, or the prefix cache")
     try:
@@ -146,7 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.prefill_chunk_tokens is not None or args.prefill_step_tokens is not None:  # checked before the weights load
         BatchConfig(fold_prefills=args.fold_prefills, prefill_chunk_tokens=args.prefill_chunk_tokens,
                     prefill_step_tokens=args.prefill_step_tokens)
-    prefix_cache = _prefix_cache_from_args(args, levels)
+    prefix_cache = _prefix_cache_from_args(args)
     device = _check_device(args.device)
     out = json_path(args, "bench")
     store = _open_store(args)  # a bad tracking store fails now, not after the run
@@ -177,7 +175,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                     fold_prefills=args.fold_prefills,
                                                     prefill_chunk_tokens=args.prefill_chunk_tokens,
                                                     prefill_step_tokens=args.prefill_step_tokens,
-                                                    payoff_veto=args.payoff_veto)
+                                                    payoff_veto=args.payoff_veto, prefix_cache=prefix_cache)
             cbar.close()
     if args.ray:
         result["ray"] = {"topology": ray_cli.topology_from_args(args).to_dict()}
@@ -310,8 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--concurrency with --prefill-chunk-tokens: at most this many prompt tokens per step over all "
                         "arriving prompts")
     b.add_argument("--prefix-cache", action="store_true",
-                   help="solo runs: each method reuses the prompt KV rows of its own earlier turns on the "
-                        "--prefill-chunk-tokens grid (same bits as without; vLLM peers do this by default)")
+                   help="each method reuses the prompt KV rows of its own earlier requests on the --prefill-chunk-tokens "
+                        "grid (solo: same bits as without; --concurrency: one cache per engine; vLLM peers do "
+                        "this by default)")
     b.add_argument("--prefix-cache-tokens", type=int, default=PrefixCacheConfig.max_tokens,
                    help="--prefix-cache: rows kept per method before least-recently-used eviction")
     b.add_argument("--device", default="cpu", help="cpu | cuda (the in-process target and drafters)")

@@ -144,6 +144,24 @@ def test_a_prefill_off_the_grid_is_refused():
         target.prefill(ids + [1], need_aux=True, chunk_tokens=C, reuse=hit)
 
 
+def test_the_ray_backend_refuses_a_reuse_it_cannot_load():
+    """RayTargetBackend takes the protocol's ``reuse`` but its shards keep no rows across
+    sequences: a hit is refused by name before any shard is called (the placeholder shard here
+    would fail on any call)."""
+    from cluster.backend import RayTargetBackend
+    from workers.shard import TargetInfo
+
+    target, cached = _cached()
+    ids = _ids(40, seed=3)
+    cached.prefill(ids, chunk_tokens=C)
+    hit = cached.cache.lookup(ids + [1])
+    assert hit is not None and hit.rows == 32
+    info = TargetInfo(num_layers=4, hidden_size=32, vocab_size=VOCAB, max_context=256, sliding_window=None,
+                      eos_token_ids=frozenset())
+    with pytest.raises(ValueError, match="prefix reuse runs on the in-process target only"):
+        RayTargetBackend([object()], info).prefill(ids + [1], chunk_tokens=C, reuse=hit)
+
+
 def test_sliding_window_models_are_refused():
     """Gemma 3's sliding-window layers drop rows a reused prefix needs: refused, naming the model."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -162,8 +180,8 @@ def test_sliding_window_models_are_refused():
     "argv, message",
     [
         (["--prefix-cache"], "--prefix-cache needs --prefill-chunk-tokens"),
-        (["--prefix-cache", "--prefill-chunk-tokens", "64", "--concurrency", "1,4"],
-         "--prefix-cache applies to solo runs only"),
+        (["--prefix-cache", "--prefill-chunk-tokens", "64", "--ray"],
+         "--prefix-cache runs on the in-process target only"),
         (["--prefix-cache", "--prefill-chunk-tokens", "64", "--prefix-cache-tokens", "0"],
          "--prefix-cache-tokens must be in [1, 16777216], got 0"),
     ],
@@ -201,3 +219,87 @@ def test_bench_with_the_prefix_cache_is_lossless_and_reuses_the_earlier_turn(smo
         assert stats["lookups"] == 4  # 2 questions x 2 turns, the warm-up's cleared
         assert stats["hits"] == 2 and stats["reused_tokens"] >= 2 * 64, stats  # each second turn
     assert result["methods"]["retrieval"]["lossless"] is True
+
+
+def _eagle3_factory(target):
+    from speculation.config import Eagle3Config
+    from speculation.drafters.eagle3 import build_eagle3_drafter
+
+    return lambda: build_eagle3_drafter(
+        Eagle3Config(checkpoint="random", draft_vocab_size=VOCAB, top_k=3, depth=3, total_tokens=12), target)
+
+
+@pytest.mark.parametrize("drafter", ["vanilla", "retrieval", "eagle3"])
+def test_the_batched_engine_shares_one_cache_and_every_output_is_vanilla(drafter):
+    """Two waves of requests through one engine: the second re-sends the first's prompts extended
+    (an agent's next call), so its prefills start from the cached rows, drafter features included
+    (EAGLE-3), and every output equals the solo vanilla run with the same chunked prefill."""
+    from speculation.config import BatchConfig
+    from speculation.engine.batch import BatchEngine, Request
+
+    target = tiny_target(shared_tiny_llama(vocab_size=VOCAB, seed=42, lean=True))
+    factories = {"vanilla": None,
+                 "retrieval": lambda: RetrievalDrafter(RetrievalConfig(budget=8, cost_aware=False), VOCAB),
+                 "eagle3": _eagle3_factory(target)}
+    cache = PrefixCache(PrefixCacheConfig(chunk_tokens=4, max_tokens=4096))
+    engine = BatchEngine(target, factories[drafter],
+                         BatchConfig(max_sequences=3, max_tokens_per_sequence=128, prefill_chunk_tokens=4),
+                         prefix_cache=cache)
+    greedy = EngineConfig(max_new_tokens=16, stop_at_eos=False, sampling=SamplingConfig(temperature=0.0),
+                          prefill_chunk_tokens=4)
+    first = [_ids(18 + 3 * i, seed=20 + i) for i in range(4)]
+    second = [p + _ids(9, seed=40 + i) for i, p in enumerate(first)]
+    for wave, prompts in enumerate((first, second)):
+        reqs = [Request(f"w{wave}r{i}", p, 16, SamplingConfig(temperature=0.0), stop_at_eos=False)
+                for i, p in enumerate(prompts)]
+        out = engine.run(reqs)
+        for r, p in zip(reqs, prompts):
+            assert out[r.request_id].tokens == generate_vanilla(target, p, greedy).tokens, r.request_id
+    stats = cache.stats.as_dict()
+    assert stats["lookups"] == 8 and stats["hits"] >= 4, stats  # at least every second-wave request
+    assert stats["reused_tokens"] >= sum(len(p) // 4 * 4 for p in first), stats
+    assert engine.pool.free == 3 and engine.num_prefilling == 0
+
+
+def test_the_batched_engine_refuses_a_prefix_cache_it_cannot_apply():
+    from speculation.config import BatchConfig
+    from speculation.engine.batch import BatchEngine
+
+    flat = tiny_target(shared_tiny_llama(vocab_size=VOCAB, seed=42, lean=True))
+    padded = tiny_target(shared_tiny_llama(vocab_size=VOCAB, seed=42))
+    cache = PrefixCache(PrefixCacheConfig(chunk_tokens=4))
+    with pytest.raises(ConfigError, match="needs chunked prefills folded into the step"):
+        BatchEngine(flat, None, BatchConfig(max_sequences=2, max_tokens_per_sequence=64), prefix_cache=cache)
+    with pytest.raises(ConfigError, match="needs chunked prefills folded into the step"):
+        BatchEngine(padded, None, BatchConfig(max_sequences=2, max_tokens_per_sequence=64, prefill_chunk_tokens=4),
+                    prefix_cache=cache)  # a PADDED target cannot fold prompts into its step
+    with pytest.raises(ConfigError, match="batch.prefill_chunk_tokens must be 4, got 8"):
+        BatchEngine(flat, None, BatchConfig(max_sequences=2, max_tokens_per_sequence=64, prefill_chunk_tokens=8),
+                    prefix_cache=cache)
+
+
+@pytest.mark.slow
+def test_bench_concurrency_with_the_prefix_cache_reuses_an_episode_and_stays_lossless(smol_fp32):
+    """bench --concurrency --prefix-cache on real weights: one agent episode's requests re-send
+    its growing transcript, so later ones hit the engine's cache, and every first-turn output
+    still equals the solo vanilla decode with the same chunked prefill."""
+    from speculation import assets
+    from speculation.bench.runner import run_concurrency
+    from speculation.config import BenchConfig
+
+    questions = assets.load_questions("agentic", limit_per_category=4)
+    cfg = BenchConfig(methods=("vanilla", "retrieval"), dtype="float32", dataset="agentic",
+                      limit_per_category=4, max_new_tokens=16, warmup=0)
+    cache = PrefixCacheConfig(chunk_tokens=64)
+    with pytest.raises(ConfigError, match="prefill_chunk_tokens"):
+        run_concurrency(cfg, smol_fp32, questions, [2], prefill_chunk_tokens=32, prefix_cache=cache)
+    result = run_concurrency(cfg, smol_fp32, questions, [2], {"retrieval": {"budget": 16, "cost_aware": False}},
+                             prefill_chunk_tokens=64, prefix_cache=cache)
+    level = result["2"]
+    assert level["prefix_cache"] == {"chunk_tokens": 64, "max_tokens": 32768}
+    for name in ("vanilla", "retrieval"):
+        m = level["methods"][name]
+        stats = m["prefix_cache"]
+        assert stats["lookups"] == len(questions), stats
+        assert stats["hits"] >= 1 and stats["reused_tokens"] >= 64, stats
+        assert m["lossless"] is True

@@ -320,6 +320,7 @@ def run_concurrency(
     prefill_chunk_tokens: int | None = None,
     prefill_step_tokens: int | None = None,
     payoff_veto: bool = False,
+    prefix_cache: PrefixCacheConfig | None = None,
 ) -> dict:
     """Closed-loop clients over :class:`~speculation.engine.batch.BatchEngine`, per concurrency N and method.
 
@@ -338,7 +339,9 @@ def run_concurrency(
     inside the step's forward; False is the A/B baseline). ``prefill_chunk_tokens``:
     ``BatchConfig.prefill_chunk_tokens`` (chunked prefill; the solo references then chunk alike),
     ``prefill_step_tokens``: its per-step budget. ``payoff_veto``: ``BatchConfig.payoff_veto``
-    (with ``goodput``; False is the A/B baseline).
+    (with ``goodput``; False is the A/B baseline). ``prefix_cache``: each engine (per N and
+    method) gets a fresh :class:`~speculation.model.prefix_cache.PrefixCache` shared by all its
+    sequences (needs ``prefill_chunk_tokens`` equal to its grid); its counters are in the method's row.
     ``refs``: the solo vanilla outputs of the first turns when already known (greedy), else
     computed here.
     """
@@ -371,7 +374,8 @@ def run_concurrency(
                                                               goodput=goodput, fold_prefills=fold_prefills,
                                                               prefill_chunk_tokens=prefill_chunk_tokens,
                                                               prefill_step_tokens=prefill_step_tokens,
-                                                              payoff_veto=payoff_veto))
+                                                              payoff_veto=payoff_veto),
+                                 prefix_cache=None if prefix_cache is None else PrefixCache(prefix_cache))
             added: dict[str, float] = {}
             last: dict[str, float] = {}
             ttft: list[float] = []
@@ -448,6 +452,8 @@ def run_concurrency(
             verdicts = _goodput_verdicts(spec_steps)
             if verdicts is not None:
                 m["goodput_verdicts"] = verdicts
+            if engine.prefix_cache is not None:
+                m["prefix_cache"] = engine.prefix_cache.stats.as_dict()
             if refs is None:
                 m["lossless"] = None
             else:
@@ -460,7 +466,8 @@ def run_concurrency(
             m["saturated_speedup"] = (m["saturated_tokens_per_s"] / base_saturated
                                       if m["saturated_tokens_per_s"] is not None and base_saturated else None)
         level: dict[str, Any] = {"methods": methods, "fold_prefills": fold_prefills, "payoff_veto": payoff_veto,
-                                 "prefill_chunk_tokens": prefill_chunk_tokens, "prefill_step_tokens": prefill_step_tokens}
+                                 "prefill_chunk_tokens": prefill_chunk_tokens, "prefill_step_tokens": prefill_step_tokens,
+                                 "prefix_cache": None if prefix_cache is None else to_dict(prefix_cache)}
         peer_rows: dict[str, dict] = {}
         runnable, peers_unavailable = available_peers(parse_peers(",".join(cfg.peers)))
         if peers_unavailable:

@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 
-from speculation.config import BatchConfig, SamplingConfig
+from speculation.config import BatchConfig, ConfigError, SamplingConfig
 from speculation.drafters.base import Drafter, Proposal, SkippableDrafter, propose_many
 from speculation.engine.sequence import (
     DecodingSequence,
@@ -24,6 +24,8 @@ from speculation.engine.sequence import (
     batch_picks,
 )
 from speculation.model.batch_target import BatchTarget, SlotState
+from speculation.model.kv_slots import KVSlotPool
+from speculation.model.prefix_cache import LayerRows, PrefixCache
 from speculation.model.target import ContextLengthError, PrefillForward
 from speculation.policy.draft_budget import DraftBudgetConfig, DraftBudgetPolicy, SequenceBudget
 from speculation.policy.goodput import DEFAULT_BATCH_CONTEXTS, BatchCostModel, measure_batch_cost
@@ -156,12 +158,17 @@ class BatchEngine:
         config: BatchConfig,
         feedback: FeedbackSink | None = None,
         cost_model: BatchCostModel | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.target = target
         self.drafter_factory = drafter_factory
         self.config = config
         self.feedback = feedback
         self.pool = target.new_slot_pool(config.max_sequences, config.max_tokens_per_sequence)
+        self.prefix_cache = prefix_cache
+        """Prompt rows of earlier requests, shared by every sequence (None: every prompt is prefilled whole)."""
+        if prefix_cache is not None:
+            self._check_prefix_cache(prefix_cache)
         self._waiting: collections.deque[Request] = collections.deque()
         self._live: dict[str, _Live] = {}
         self._aborted: list[SequenceUpdate] = []
@@ -306,10 +313,43 @@ class BatchEngine:
         return DecodingSequence(list(request.prompt_ids), request.max_new_tokens, request.sampling, stop, drafter,
                          self.feedback)
 
+    def _check_prefix_cache(self, cache: PrefixCache) -> None:
+        """Refuse a prefix cache this engine cannot apply, naming the setting to change."""
+        if not self._folds or self.config.prefill_chunk_tokens is None:
+            raise ConfigError("prefix_cache needs chunked prefills folded into the step (batch.fold_prefills on a "
+                              "FLAT-layout target and batch.prefill_chunk_tokens set): drop the prefix cache or "
+                              "enable them")
+        if cache.chunk_tokens != self.config.prefill_chunk_tokens:
+            raise ConfigError(f"prefix_cache reuses rows on a {cache.chunk_tokens}-token prefill grid: "
+                              f"batch.prefill_chunk_tokens must be {cache.chunk_tokens}, "
+                              f"got {self.config.prefill_chunk_tokens}")
+        if not isinstance(self.pool, KVSlotPool):
+            raise ConfigError("prefix_cache runs on the in-process target only (its KV slots live here): "
+                              f"drop it with {type(self.target).__name__}")
+
     def _arrive(self, request: Request) -> _Live:
-        """A request whose prompt this step's forward prefills (into an empty slot)."""
+        """A request whose prompt this step's forward prefills (into an empty slot), after the rows
+        of its longest cached prefix when a prefix cache is on."""
         seq = self._new_sequence(request)
-        return _Live(request, seq, self.target.empty_slot(self.pool), self.budget.new_sequence())
+        arrived = _Live(request, seq, self.target.empty_slot(self.pool), self.budget.new_sequence())
+        if self.prefix_cache is not None:
+            hit = self.prefix_cache.lookup(seq.prompt_ids, need_aux=seq.needs_aux)
+            if hit is not None:
+                state = arrived.state
+                self.pool.load_prefix(state.held_slot(), hit.layers())
+                state.length, state.tokens = hit.rows, list(seq.prompt_ids[: hit.rows])
+                if seq.needs_aux and hit.aux is not None:
+                    arrived.prompt_aux.append(hit.aux)
+        return arrived
+
+    def _remember_prompt(self, arrived: _Live, prompt_aux: torch.Tensor | None) -> None:
+        """Keep a prompt just prefilled in the prefix cache (its full chunks), before its slot can go."""
+        if self.prefix_cache is None:
+            return
+        pool = cast(KVSlotPool, self.pool)
+        s = arrived.state.held_slot()
+        layers = [LayerRows(k[s : s + 1], v[s : s + 1]) for k, v in zip(pool.keys, pool.values, strict=True)]
+        self.prefix_cache.store(arrived.seq.prompt_ids, layers, prompt_aux if arrived.seq.needs_aux else None)
 
     def _admit(self, request: Request) -> list[int]:
         """Prefill ``request`` in its own forward (the unfolded path), choose its first token."""
@@ -404,6 +444,7 @@ class BatchEngine:
             if a.prompt_aux and start.aux_hidden is not None:
                 start = PrefillForward(logits=start.logits, aux_hidden=torch.cat([*a.prompt_aux, start.aux_hidden]))
                 a.prompt_aux = []
+            self._remember_prompt(a, start.aux_hidden)
             updates.append(self._start(a, start))
         return updates
 

@@ -19,6 +19,7 @@ import torch
 from speculation.spec import verify as V
 from speculation.config import SamplingConfig
 from speculation.drafters.base import DraftContext, Drafter, FinishingDrafter, Proposal, StepOutcome
+from speculation.model.prefix_cache import PrefixHit
 from speculation.model.target import TreeForward
 from speculation.spec.tree import DraftTree, NodeSource
 
@@ -44,11 +45,14 @@ class TargetBackend(Protocol[StateT]):
         ...
 
     def prefill(
-        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None
+        self, ids: list[int], need_aux: bool = False, chunk_tokens: int | None = None,
+        reuse: PrefixHit | None = None,
     ) -> tuple[StateT, torch.Tensor, torch.Tensor | None]:
         """Start a sequence: (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None);
         ``chunk_tokens``: in forwards of at most that many tokens (chunked prefill), or a clear
-        error where the backend does not chunk."""
+        error where the backend does not chunk; ``reuse``: an earlier prompt's rows to load
+        instead of recomputing (:class:`~speculation.model.prefix_cache.PrefixCache`), or a
+        clear error where the backend does not reuse."""
         ...
 
     def decode(self, state: StateT, token: int) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 Multi-turn chat, code-editing sessions and agent loops re-send a growing transcript, so most of
 each prompt was prefilled by the previous request. vLLM (automatic prefix caching) and SGLang
-(RadixAttention) keep those KV rows; this module does the same for the solo decode loop.
+(RadixAttention) keep those KV rows; this module does the same for the solo decode loop
+(:class:`PrefixCachedTarget`) and for the batched engine's chunked prefills
+(``BatchEngine(prefix_cache=...)``, one cache shared by every sequence).
 
 Exactness. Reuse happens on the chunked-prefill grid only. With chunk size ``C`` a prompt of
 ``n`` tokens is prefilled in forwards over tokens ``[jC, (j+1)C)`` (``TargetModel.prefill``); the
@@ -11,7 +13,10 @@ So the rows of a *full* chunk are the same bits whichever prompt computed them, 
 
     prefill(ids, C, reusing k full chunks) == prefill(ids, C)                  (bit for bit)
 
-for logits, KV rows and auxiliary features (tested). Storing only full chunks and reusing at
+for logits, KV rows and auxiliary features (tested). In the batched engine a chunk's rows come
+from a packed forward with other sequences' rows, whose products may round differently with the
+row count (as every batched step does); a reused prefill there equals the one the step would have
+run up to that rounding, and outputs stay vanilla's token for token (tested). Storing only full chunks and reusing at
 most ``floor((n - 1) / C)`` of them (the last token is always computed, for its logits) keeps a
 shared cache from making any output depend on what was served before.
 
@@ -24,6 +29,7 @@ entry's is dropped (the newer one serves every lookup the older could).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +74,20 @@ class PrefixHit:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     aux: torch.Tensor | None
+
+    def layers(self) -> list[LayerRows]:
+        """The rows per layer, as a KV slot pool loads them."""
+        return [LayerRows(k, v) for k, v in zip(self.keys, self.values, strict=True)]
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """One layer's rows in the shape a prefill cache layer has: keys, values ``[1, H_kv, m, D]``
+    (what :meth:`PrefixCache.store` reads and
+    :meth:`~speculation.model.kv_slots.KVSlotPool.load_prefix` writes)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 @dataclass
@@ -152,8 +172,9 @@ class PrefixCache:
         return PrefixHit(rows=m, keys=[k[:, :, :m] for k in best.keys], values=[v[:, :, :m] for v in best.values],
                          aux=best.aux[:m] if need_aux and best.aux is not None else None)
 
-    def store(self, ids: list[int], cache: DynamicCache, aux: torch.Tensor | None) -> None:
-        """Keep the full-chunk rows of a prompt just prefilled into ``cache`` (``aux``: its ``[n, 3H]``
+    def store(self, ids: list[int], layers: Sequence[LayerRows], aux: torch.Tensor | None) -> None:
+        """Keep the full-chunk rows of a prompt just prefilled (``layers``: per layer keys and values
+        ``[1, H_kv, >= n, D]``, e.g. a prefill cache's ``layers``; ``aux``: its ``[n, 3H]``
         features, or None). A prompt shorter than one chunk, or one already held, stores nothing."""
         C = self.config.chunk_tokens
         m = (len(ids) // C) * C
@@ -165,8 +186,8 @@ class PrefixCache:
             return
         for old in [t for t in self._entries if len(t) < m and key[: len(t)] == t]:
             self._drop(old)  # superseded: every lookup it serves, the new entry serves
-        entry = _Entry(tokens=key, keys=[layer.keys[:, :, :m].clone() for layer in cache.layers],
-                       values=[layer.values[:, :, :m].clone() for layer in cache.layers],
+        entry = _Entry(tokens=key, keys=[layer.keys[:, :, :m].clone() for layer in layers],
+                       values=[layer.values[:, :, :m].clone() for layer in layers],
                        aux=aux[:m].clone() if aux is not None else None)
         self._entries[key] = entry
         self._rows += m
@@ -238,7 +259,7 @@ class PrefixCachedTarget:
             )
         hit = self.cache.lookup(ids, need_aux)
         state, logits, aux = self.target.prefill(ids, need_aux=need_aux, chunk_tokens=chunk_tokens, reuse=hit)
-        self.cache.store(ids, state.cache, aux)
+        self.cache.store(ids, state.cache.layers, aux)
         return state, logits, aux
 
     def decode(self, state: TargetState, token: int) -> torch.Tensor:
