@@ -50,11 +50,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import ray
 import torch
 
 from cluster.backend import RayTargetBackend, ShardTimeoutError, wait_pipeline
 from speculation.config import BatchLayout
 from speculation.model.batch_target import SlotState
+from speculation.model.kv_slots import SlotsExhaustedError
 from speculation.model.target import PrefillForward, TreeForward, check_step_rows, split_step_outputs
 from speculation.spec.tree import DraftTree
 from workers.shard import (
@@ -132,7 +134,7 @@ class RaySlotPool:
 
     def acquire(self) -> int:
         if not self._free:
-            raise RuntimeError(f"all {self.max_sequences} KV slots are held by live sequences")
+            raise SlotsExhaustedError(f"all {self.max_sequences} KV slots are held by live sequences")
         return self._free.pop()
 
     def release(self, slot: int) -> None:
@@ -151,8 +153,6 @@ of the in-process target too (same fields, same :class:`ReleasedSequenceError` a
 
 def _drop_pool(shards: tuple, pool_id: str) -> None:
     """Free ``pool_id`` on every shard (fire and forget: the pool's ledger is gone)."""
-    import ray
-
     if ray.is_initialized():
         for s in shards:
             s.drop_pool.remote(pool_id)
@@ -178,8 +178,6 @@ class RayBatchTarget(RayTargetBackend):
         aux_layers: tuple[int, int, int] | None = None,
         calls: ShardCallConfig | None = None,
     ) -> None:
-        import ray
-
         self.calls = calls or ShardCallConfig()
         super().__init__(shards, info, aux_layers=aux_layers, call_timeout_s=self.calls.call_timeout_s)
         self.tokenizer = tokenizer
@@ -272,8 +270,6 @@ class RayBatchTarget(RayTargetBackend):
         :meth:`speculation.model.target.TargetModel.step_batch` does in one process. A prefilled sequence
         joins the pool's live sequences (what a re-prefill after a fault replays, chunks so far
         included) once the step succeeded."""
-        import ray
-
         if prefills and not self.folds_prefills:
             raise RuntimeError("prefills fold into the batched step only when every shard runs flat rows")
         pool = check_step_rows(states, trees, prefills, chunked=True)
@@ -338,8 +334,6 @@ class RayBatchTarget(RayTargetBackend):
     def _gather(self, refs_by_shard: list[list], what: str) -> list:
         """Wait (with the call timeout) and fetch: every shard's last ref (the aux parts, small) and
         the last shard's first ref. Raises :class:`_ShardFault` naming the first failed shard."""
-        import ray
-
         wait_pipeline(refs_by_shard, self.calls.call_timeout_s, what)
         out = []
         for k, refs in enumerate(refs_by_shard):
@@ -380,8 +374,6 @@ class RayBatchTarget(RayTargetBackend):
     # ------------------------------------------------------------------ fault recovery
     def _restarted(self) -> list[int]:
         """Wait for every shard to answer; the indices of those Ray restarted since last seen."""
-        import ray
-
         restarted = []
         deadline = time.monotonic() + self.calls.restart_timeout_s
         for k, shard in enumerate(self.shards):

@@ -20,7 +20,8 @@ import ray
 from ray import serve
 
 import tracking
-from cluster.serve_app import batch_config, build_app
+from cluster.openai_service import batch_config
+from cluster.serve_app import build_app
 from cluster.serve_config import load_serve_config
 from graftblock.common import run_command
 from speculation.config import ConfigError

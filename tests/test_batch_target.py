@@ -75,3 +75,20 @@ def test_ray_batch_target_implements_batch_target_over_the_same_slot_state():
 def test_released_sequence_error_is_still_a_value_error():
     """Callers that caught the Ray state's former ValueError keep working."""
     assert issubclass(ReleasedSequenceError, ValueError)
+
+
+def test_both_slot_pools_raise_the_same_error_when_every_slot_is_held():
+    """KVSlotPool and the Ray coordinator's RaySlotPool agree on exhaustion too: SlotsExhaustedError
+    (a RuntimeError, as before), naming the slot count."""
+    pytest.importorskip("ray")
+    from cluster.batch_backend import RaySlotPool
+    from speculation.model.kv_slots import SlotsExhaustedError
+
+    pools = [tiny_target().new_slot_pool(2, 16), RaySlotPool("p", max_sequences=2, max_tokens=16)]
+    for pool in pools:
+        assert sorted([pool.acquire(), pool.acquire()]) == [0, 1]
+        with pytest.raises(SlotsExhaustedError, match="all 2 KV slots are held by live sequences"):
+            pool.acquire()
+        pool.release(1)
+        assert pool.acquire() == 1
+    assert issubclass(SlotsExhaustedError, RuntimeError)
