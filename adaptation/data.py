@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from speculation import assets
+from speculation.assets import encode_turn
+
 _CHUNK = 1 << 20
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
 _MIN_CONTAINED = 64
@@ -125,8 +128,6 @@ def normalize(text: str) -> str:
 def spec_bench_texts() -> set[str]:
     """Normalised turns of every Spec-Bench question (the packaged copy; a missing file raises
     :class:`~speculation.assets.AssetError` rather than silently dropping the decontamination)."""
-    from speculation import assets
-
     return {normalize(t) for q in assets.load_questions(assets.SPEC_BENCH) for t in q.turns}
 
 
@@ -209,8 +210,6 @@ def sharegpt_samples(
     tokenizer: Any, max_len: int, path: str | Path | None = None, exclude_spec_bench: bool = True
 ) -> Iterator[Sample]:
     """Tokenized ShareGPT conversations in file order (deterministic)."""
-    from speculation import assets
-
     path = path or assets.sharegpt_path()
     excluded = spec_bench_texts() if exclude_spec_bench else set()
     for cid, msgs in conversations(iter_sharegpt(path), excluded):
@@ -221,8 +220,6 @@ def sharegpt_samples(
 
 def first_user_prompts(tokenizer: Any, items: Iterable[tuple[str, list[dict[str, str]]]]) -> list[list[int]]:
     """Prompt ids (chat template, generation prompt) of the first user turn of each conversation."""
-    from speculation.assets import encode_turn
-
     return [encode_turn(tokenizer, [], msgs[0]["content"]) for _, msgs in items]
 
 
@@ -301,8 +298,6 @@ def sharegpt_data(
         regenerate_batch: prompts per generation batch.
         path: a ShareGPT JSON file (None = the packaged one).
     """
-    from speculation import assets
-
     source = path or str(assets.sharegpt_path())
     excluded = spec_bench_texts()
 

@@ -33,15 +33,20 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from tqdm import tqdm
 
 from adaptation.data import conversations, is_excluded, iter_sharegpt, normalize, spec_bench_texts
-from speculation.config import ConfigError, SamplingConfig
+from adaptation.data import sharegpt_data, tokenize_conversation
+from speculation import assets
+from speculation.assets import encode_turn
+from speculation.config import BatchConfig, ConfigError, SamplingConfig
+from speculation.engine.batch import BatchEngine, Request
 
 if TYPE_CHECKING:
     from adaptation.data import TrainData
@@ -130,8 +135,6 @@ class DistillConfig:
 
 def benchmark_texts() -> set[str]:
     """Normalised turns of every benchmark prompt: Spec-Bench and every packaged dataset."""
-    from speculation import assets
-
     texts: set[str] = set()
     for name in (assets.SPEC_BENCH, *assets.PACKAGED_DATASETS):
         for q in assets.load_questions(name):
@@ -182,9 +185,6 @@ class EngineGenerator:
 
     def generate(self, prompts: list[list[int]], samplings: list[SamplingConfig],
                  max_new_tokens: int) -> list[list[int]]:
-        from speculation.config import BatchConfig
-        from speculation.engine.batch import BatchEngine, Request
-
         engine = BatchEngine(self.target, None, BatchConfig(max_sequences=self.batch_size,
                                                             max_tokens_per_sequence=self.slot))
         reqs = [Request(f"r{i}", list(p), max_new_tokens, s) for i, (p, s) in enumerate(zip(prompts, samplings))]
@@ -286,8 +286,6 @@ def answer_shard(
     eos: frozenset[int],
 ) -> tuple[list[dict], int, int]:
     """Every item of one shard answered turn by turn. Returns (records, turns, new tokens)."""
-    from speculation.assets import encode_turn
-
     samplings = [cfg.sampling(first_index + k) for k in range(len(items))]
     histories: list[list[tuple[str, str]]] = [[] for _ in items]
     live = list(range(len(items)))
@@ -348,8 +346,6 @@ def distill(
     todo = [s for s in (range(n_shards) if shards is None else shards) if not shard_path(root, s).is_file()]
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(plan), initial=len(plan) - len(todo) * cfg.shard_size if todo else len(plan),
                    unit="prompt", desc="distill", dynamic_ncols=True)
     try:
@@ -468,10 +464,6 @@ def distilled_data(tokenizer: Any, target: Any, root: str | Path, max_len: int, 
     ``heldout`` conversations of the same ShareGPT file, else a held-out prompt could be trained
     on: a mismatch is a :class:`ConfigError` naming both values.
     """
-    from dataclasses import replace
-
-    from adaptation.data import sharegpt_data, tokenize_conversation
-
     root = Path(root)
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from adaptation.batches import FeatureBatch, make_batch, plan_batches
 from adaptation.data import TrainData
@@ -461,8 +462,6 @@ class Trainer:
                               "data": self.data.description})
         bar = None
         if self.progress:
-            from tqdm import tqdm
-
             bar = tqdm(total=self.cfg.max_tokens, initial=min(self.state.tokens, self.cfg.max_tokens),
                        unit="tok", unit_scale=True, desc=f"train {self.family.name}", dynamic_ncols=True)
         heldout = self._heldout_shard()

@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from speculation import assets
 from speculation.bench.runner import emit_json, environment
-from speculation.model.target import load_target
+from speculation.model.target import TargetModel, load_target
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul")
 ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -64,16 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from torch.profiler import ProfilerActivity, profile
-
     torch.set_num_threads(args.threads)
     target = load_target(args.model, args.dtype)
     prompt = assets.encode_turn(target.tokenizer, [], assets.load_questions("spec_bench", 1)[0].turns[0])
 
     baseline = None
     if args.baseline is not None:
-        from speculation.model.target import TargetModel
-
         if args.baseline == "unfused":
             baseline = TargetModel(assets.load_model(args.model, target.dtype, fuse=False), target.tokenizer)
         else:

@@ -924,8 +924,7 @@ def section(path: Path, level: int = 2) -> list[str]:
 
 def main() -> int:
     """Kept for ``python benchmarks/render.py``: the same as ``graftblock report``."""
-    from benchmarks import report
-
+    from benchmarks import report  # here, not at the top: report imports this module
     return report.main([])
 
 

@@ -323,8 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     turns = load_stream(args.stream, args.requests_per_phase) if args.stream else None  # a bad file fails first
     if args.serve_config:
-        from cluster.serve_config import load_serve_config
-
         cfg = load_serve_config(args.serve_config, args.serve_set)
         port = args.port or cfg.port
         args.base_url = args.base_url or f"http://{cfg.host}:{port}/v1"
@@ -351,8 +349,6 @@ def main(argv: list[str] | None = None) -> int:
     result["kind"] = "serve_load"
     result["command"] = "benchmarks/serve_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.serve_config:
-        from cluster.serve_config import load_serve_config
-
         cfg = load_serve_config(args.serve_config, args.serve_set)
         result["server"] = {"model": cfg.model, "dtype": cfg.dtype.value, "method": cfg.method,
                             "max_sequences": cfg.max_sequences}

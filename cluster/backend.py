@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import ray
 import torch
 
 from speculation.model.prefix_cache import PrefixHit
@@ -44,8 +45,6 @@ def wait_pipeline(refs_by_shard: Sequence[Sequence], timeout_s: float, what: str
     :class:`ShardTimeoutError` naming the first shard (pipeline order) with a ref not ready: a
     later shard waits on an earlier one's output, so that shard is the one that hangs.
     """
-    import ray
-
     flat = [r for refs in refs_by_shard for r in refs]
     if not flat:
         return
@@ -117,8 +116,6 @@ class RayTargetBackend:
 
     # ------------------------------------------------------------------ pipeline
     def _run(self, seq_id: str, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        import ray
-
         hidden = None
         aux_refs = []
         for shard in self.shards:
@@ -227,8 +224,6 @@ class RayTargetBackend:
 
     def sync(self) -> None:
         """Wait for (and check) every call submitted without waiting."""
-        import ray
-
         if self._pending:
             pending, self._pending = self._pending, []
             n = len(self.shards)  # every commit/truncate/release appends one ref per shard, in order

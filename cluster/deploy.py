@@ -19,15 +19,19 @@ import os
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from cluster.backend import RayTargetBackend
 from cluster.proxy import RayDrafterProxy
 from cluster.topology import Topology
 from speculation import assets
 from speculation.config import ConfigError, DType
-from speculation.policy.cost import measure_cost_model
 from speculation.drafters import DrafterType, MethodSpec, build_drafter
-from workers.drafter_worker import pack_drafter
-from workers.shard import ShardSpec, TargetInfo
+from speculation.policy.cost import measure_cost_model
+from workers.drafter_worker import make_actor_class as make_drafter_actor_class, pack_drafter
+from workers.shard import ShardSpec, TargetInfo, make_actor_class
 
 
 class ClusterResourceError(ValueError):
@@ -42,8 +46,6 @@ _EPS = 1e-9
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Connect to Ray if not connected: ``address``, else ``RAY_ADDRESS``, else a new local cluster."""
-    import ray
-
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or "local"
@@ -59,8 +61,6 @@ def _fmt(res: dict[str, float]) -> str:
 
 def check_cluster_fits(topology: Topology) -> None:
     """Raise :class:`ClusterResourceError` if the cluster lacks what ``topology`` asks for."""
-    import ray
-
     total = ray.cluster_resources()
     need = topology.total_resources()
     short = {k: v for k, v in need.items() if total.get(k, 0.0) + _EPS < v}
@@ -84,8 +84,6 @@ def check_cluster_fits(topology: Topology) -> None:
 def _actor_options(
     bundle: dict[str, float], pg, index: int, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
     opts: dict[str, Any] = {
         "num_cpus": bundle.get("CPU", 0.0),
@@ -136,11 +134,6 @@ class RayDeployment:
         local_target=None,
         name_prefix: str | None = None,
     ) -> None:
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        from workers.shard import make_actor_class
-
         self.topology = topology
         self.local_target = local_target
         self.model = _model_ref(model)
@@ -192,12 +185,10 @@ class RayDeployment:
     # ------------------------------------------------------------------ drafters
     def _drafter_worker(self):
         if self._worker is None:
-            from workers.drafter_worker import make_actor_class
-
             opts = _actor_options(
                 self.topology.drafter_resources, self.pg, self.topology.shards, self.topology.actor_env
             )
-            self._worker = make_actor_class(**opts).remote(self.info.vocab_size, self.topology.torch_threads)
+            self._worker = make_drafter_actor_class(**opts).remote(self.info.vocab_size, self.topology.torch_threads)
         return self._worker
 
     def drafter(self, spec: MethodSpec) -> RayDrafterProxy:
@@ -207,8 +198,6 @@ class RayDeployment:
         measured over the distributed target (the cost it will really pay), once per deployment
         and tree size.
         """
-        import ray
-
         if spec.type == DrafterType.VANILLA:
             raise ConfigError(f"method {spec.name!r} is vanilla: it has no drafter")
         cost_model = None
@@ -228,8 +217,6 @@ class RayDeployment:
 
     def host_drafter(self, slot: str, drafter) -> RayDrafterProxy:
         """A proxy over ``drafter`` (any protocol object, shipped to the worker) in ``slot``."""
-        import ray
-
         worker = self._drafter_worker()
         return RayDrafterProxy(worker, slot, ray.get(worker.host.remote(slot, pack_drafter(drafter))))
 
@@ -240,9 +227,6 @@ class RayDeployment:
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
         """Kill the actors and remove the placement group (idempotent)."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         actors = list(self.shards)
         if self._worker is not None:
             actors.append(self._worker)

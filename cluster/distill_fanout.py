@@ -11,10 +11,12 @@ replica (one machine, or a shared file system on a cluster).
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 
 import ray
+import torch
 
 from adaptation.distill import (
     DistillConfig,
@@ -26,6 +28,9 @@ from adaptation.distill import (
     shard_path,
     write_manifest,
 )
+from speculation import assets
+from speculation.config import DType
+from speculation.model.target import TargetModel
 
 
 @ray.remote
@@ -34,12 +39,6 @@ class DistillReplica:
 
     def __init__(self, model: str, dtype: str, backend: str, batch_size: int, cfg: DistillConfig,
                  threads: int | None) -> None:
-        import torch
-
-        from speculation import assets
-        from speculation.config import DType
-        from speculation.model.target import TargetModel
-
         if threads:
             torch.set_num_threads(threads)
         weights, tokenizer = assets.load_model_and_tokenizer(model, DType.parse(dtype).torch)
@@ -48,8 +47,6 @@ class DistillReplica:
         self.generator = make_generator(backend, self.target, batch_size, cfg)
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def run(self, plan: list[DistillItem], out: str, meta: dict, shards: list[int]) -> dict:

@@ -12,6 +12,7 @@ steps without speculation and restarts the worker.
 
 from __future__ import annotations
 
+import ray
 import torch
 
 from speculation.drafters.base import DraftContext, Proposal, StepOutcome
@@ -33,8 +34,6 @@ class RayDrafterProxy:
 
     def __init__(self, worker, slot: str, traits: DrafterTraits | None = None,
                  timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
-        import ray
-
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         self.worker = worker
@@ -59,8 +58,6 @@ class RayDrafterProxy:
         )
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        import ray
-
         ref = self.worker.propose.remote(self.slot, self._delta(ctx))
         got = ray.get([*self._pending, ref], timeout=self.timeout_s)
         self._pending.clear()
@@ -71,14 +68,10 @@ class RayDrafterProxy:
 
     def swap_weights(self, state_ref) -> int:
         """Swap the hosted drafter's weights (an object ref to a state dict) before the next step."""
-        import ray
-
         return ray.get(self.worker.swap_weights.remote(self.slot, state_ref), timeout=self.timeout_s)
 
     def sync(self) -> None:
         """Wait for (and check) every call submitted without waiting."""
-        import ray
-
         if self._pending:
             ray.get(self._pending, timeout=self.timeout_s)
             self._pending.clear()

@@ -43,17 +43,20 @@ import enum
 import itertools
 import logging
 import math
+import os
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import ray
 import torch
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from cluster.serve_config import ServeConfig
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
 from speculation.spec.tree import DraftTree
-from workers.drafter_worker import UnknownSlotError, pack_drafter
+from workers.drafter_worker import UnknownSlotError, make_actor_class, pack_drafter
 
 log = logging.getLogger("graftblock.drafter_worker")
 
@@ -135,8 +138,6 @@ class DrafterWorkerSupervisor:
 
     def __init__(self, spawn: SpawnWorker, config: ResilienceConfig,
                  on_event: Callable[[DrafterEvent], None] | None = None) -> None:
-        import ray
-
         self._spawn = spawn
         self.config = config
         self._on_event = on_event
@@ -168,8 +169,6 @@ class DrafterWorkerSupervisor:
 
     def fail(self, timed_out: bool, exc: BaseException) -> None:
         """A worker call failed (``timed_out``: it ran past ``call_timeout_s``); start recovering."""
-        import ray
-
         if timed_out:
             self.counters.timeouts += 1
             self._emit(DrafterEvent.TIMEOUT)
@@ -191,9 +190,6 @@ class DrafterWorkerSupervisor:
         self._probe = self.handle.incarnation.remote()
 
     def _poll(self) -> None:
-        import ray
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
         if time.monotonic() - self._down_since > self.config.restart_timeout_s:
             self._recreate(f"no restart within restart_timeout_s = {self.config.restart_timeout_s:g} s")
             return
@@ -223,8 +219,6 @@ class DrafterWorkerSupervisor:
                     incarnation, time.monotonic() - self._down_since)
 
     def _recreate(self, why: str) -> None:
-        import ray
-
         log.warning("re-creating the drafter worker: %s", why)
         ray.kill(self.handle, no_restart=True)
         self.generation += 1
@@ -250,8 +244,6 @@ class DrafterWorkerSupervisor:
             self.handle.unload.remote(slot)
 
     def shutdown(self) -> None:
-        import ray
-
         ray.kill(self.handle, no_restart=True)
 
 
@@ -317,9 +309,6 @@ class ResilientDrafterProxy:
             self._load(ctx, prompt_aux)
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
         sup = self.supervisor
         if not sup.available():
             return self._fallback(ctx)
@@ -371,8 +360,6 @@ def spawn_drafter_worker(vocab_size: int, *, name_prefix: str, num_cpus: float, 
     (``<name_prefix>-<generation>``, findable with ``ray.get_actor``) with ``num_cpus`` (a fraction
     is fine) and ``max_restarts``; calls are never retried (``max_task_retries=0``): a call in
     flight when the actor dies fails, and the supervisor falls back and rebuilds instead."""
-    from workers.drafter_worker import make_actor_class
-
     def spawn(generation: int):
         cls = make_actor_class(num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=0,
                                name=f"{name_prefix}-{generation}")
@@ -386,8 +373,6 @@ def supervisor_from_config(config: ServeConfig, vocab_size: int,
     """The replica's supervised drafter worker for ``serve.drafter_placement: worker`` (blocks until
     the actor answers, at most ``drafter_restart_timeout_s``). The actor is named
     ``graftblock-drafter-worker-<host>-<pid>-<generation>`` in the replica's namespace."""
-    import os
-
     spawn = spawn_drafter_worker(
         vocab_size, name_prefix=f"graftblock-drafter-worker-{os.uname().nodename}-{os.getpid()}",
         num_cpus=float(config.drafter_worker_cpus), max_restarts=config.drafter_worker_max_restarts)

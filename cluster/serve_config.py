@@ -7,6 +7,7 @@ field is documented below; errors name the field and the allowed range (:class:`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import ipaddress
@@ -15,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 
 from speculation.config import ConfigError, DType, load_yaml_mapping, to_dict
@@ -408,10 +411,6 @@ def apply_sets(data: Mapping[str, Any], sets: list[str] | tuple[str, ...]) -> di
     """``data`` with each ``KEY=VALUE`` of ``sets`` applied (``--set``): VALUE is parsed as YAML,
     KEY may be dotted (``learner.policy``) to set one key of a nested section. The result is
     validated by :func:`serve_config_from_dict` like the file itself."""
-    import copy
-
-    import yaml
-
     out = copy.deepcopy(dict(data))
     for item in sets:
         key, sep, raw = item.partition("=")

@@ -46,7 +46,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ray
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from adaptation.bandit import BanditConfig
 from adaptation.controller import ControllerConfig, Decision, Outcome, Policy
@@ -55,6 +57,7 @@ from adaptation.online import OnlineConfig, StateDict, TrainableDrafter
 from adaptation.rollback import GuardConfig
 from cluster.serve_config import LearnerServeConfig
 from speculation.drafters.base import DraftContext, Drafter, StepOutcome
+from workers.learner import RemoteFeed, VERSION_FILE, WEIGHTS_FILE, spawn_learner
 
 log = logging.getLogger("graftblock.serve.learner")
 
@@ -160,7 +163,6 @@ class ReplicaLearner:
         self.metrics = LearnerMetrics(registry)
         self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in drafter.state_dict().items()}
         self.handle = _get_or_spawn_learner(cfg, drafter)
-        from workers.learner import RemoteFeed
 
         self.feed = RemoteFeed(self.handle, cfg.max_inflight)
         self.sink = FeedbackSink(self.feed, SinkConfig(max_queue=cfg.max_queue, batch_records=cfg.batch_records))
@@ -223,8 +225,6 @@ class ReplicaLearner:
 
     def poll_once(self) -> None:
         """Pull decisions and newly published weights (staged for the engine thread); count drops."""
-        import ray
-
         self._count_feedback()
         timeout = self.cfg.call_timeout_s
         try:
@@ -314,11 +314,6 @@ class ReplicaLearner:
 def _get_or_spawn_learner(cfg: LearnerServeConfig, drafter: TrainableDrafter) -> Any:
     """The application's learner actor: the running one by name, or a new one for ``drafter``
     (weights an earlier application left in ``checkpoint_dir`` are cleared first)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from workers.learner import VERSION_FILE, WEIGHTS_FILE, spawn_learner
-
     try:
         return ray.get_actor(cfg.actor_name, namespace=LEARNER_NAMESPACE)
     except ValueError:

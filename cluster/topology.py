@@ -15,12 +15,12 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 
-from speculation.config import ConfigError
+from speculation.config import ConfigError, from_dict, load_yaml_mapping
 
 #: The file that mirrors the embedded default topology.
 LOCAL_TOPOLOGY = Path(__file__).resolve().parent.parent / "ray_configs" / "local.yaml"
@@ -164,7 +164,6 @@ class Topology:
         """A copy with ``shards`` replaced (None keeps this one's)."""
         if shards is None:
             return self
-        from dataclasses import replace
 
         return replace(self, shards=shards)
 
@@ -185,8 +184,6 @@ class Topology:
 
 def load_topology(path: str | Path | None = None) -> Topology:
     """The topology in ``path`` (YAML), or the embedded default when None."""
-    from speculation.config import from_dict, load_yaml_mapping
-
     if path is None:
         return Topology()
     p = Path(path)

@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from speculation.bench.vllm_peers import VllmSpec
+
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -126,8 +128,6 @@ def main(argv: list[str]) -> int:
     import vllm
     from vllm import LLM
     from vllm.inputs import TokensPrompt
-
-    from speculation.bench.vllm_peers import VllmSpec
 
     spec = VllmSpec.from_json(argv[0])
     llm = LLM(

@@ -74,7 +74,7 @@ import yaml
 
 from adaptation.bandit import SKIP, BanditConfig
 from adaptation.config_bandit import ConfigAdapter, ConfigBanditConfig, load_arms
-from adaptation.controller import Outcome, Policy
+from adaptation.controller import AdaptationController, ControllerConfig, Outcome, Policy
 from adaptation.feedback import BufferConfig, FeedbackSink
 from adaptation.online import OnlineConfig
 from adaptation.rollback import GuardConfig, shuffled_head
@@ -85,6 +85,7 @@ from speculation.config import ConfigError, EngineConfig, SamplingConfig
 from speculation.drafters import build_drafter, resolve_methods
 from speculation.engine.solo import generate_speculative
 from speculation.model.target import load_target
+from tracking.adaptation import AdaptationLog
 
 PHASE_CATEGORIES: dict[str, tuple[str, ...]] = {
     "chat": ("writing", "roleplay", "humanities", "stem"),
@@ -451,8 +452,6 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], StreamSpec, tuple[
 
 
 def cmd_adapt_bench(args: argparse.Namespace) -> int:
-    from adaptation.controller import AdaptationController, ControllerConfig, Policy
-
     policies, stream_spec, budgets = _parse_args(args)
     turns = stream_questions(stream_spec, strict_categories=bool(args.stream))  # fail on a short phase before loading anything
     arms = load_arms(args.config_arms) if CONFIG_POLICY in policies else []
@@ -461,8 +460,6 @@ def cmd_adapt_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     log = None
     if not args.no_mlflow:
-        from tracking.adaptation import AdaptationLog
-
         log = AdaptationLog(args.experiment, args.tracking_uri)
     target = load_target(args.model, args.dtype)
     stream = _encode(target.tokenizer, turns, args.max_prompt_tokens)

@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+import ray
 import torch
 
 from adaptation.distill import (
@@ -28,6 +29,7 @@ from adaptation.distill import (
     plan_from_sharegpt,
     side_by_side_rates,
 )
+from cluster.distill_fanout import distill_on_ray
 from speculation import assets
 from speculation.config import ConfigError, DType
 from speculation.model.target import TargetModel
@@ -156,10 +158,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _distill_on_ray(args: argparse.Namespace, plan, out: Path, cfg: DistillConfig, meta: dict, dtype: str):
     """The shards over ``args.replicas`` Ray actors (a local Ray started, and stopped, if no address)."""
-    import ray  # only this path needs Ray
-
-    from cluster.distill_fanout import distill_on_ray
-
     started = not ray.is_initialized()
     if started:
         if args.ray_address:

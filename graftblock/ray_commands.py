@@ -109,8 +109,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def add_subcommands(sub) -> None:
     """Register ``sweep`` and ``compare`` on the CLI's sub-parsers."""
-    from sweeps import compare, run
-
     s = sub.add_parser("sweep", help="run (or resume) an Optuna sweep on Ray, every trial logged to MLflow")
     run.add_arguments(s)
     s.set_defaults(func=cmd_sweep)

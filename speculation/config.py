@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
+import yaml
 
 
 class ConfigError(ValueError):
@@ -454,8 +455,6 @@ def load_yaml_mapping(path: str | Path, what: str, expected: str) -> dict[str, A
     """The top-level mapping of YAML file ``path``, or a :class:`ConfigError` that names ``what``
     (e.g. ``"--config"``) and the file: missing, not valid YAML, or not a mapping of ``expected``.
     An empty file is an empty mapping."""
-    import yaml
-
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{what}: no such file {str(path)!r}")

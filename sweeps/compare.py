@@ -25,9 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+from rich.console import Console
+from rich.table import Table
 
-from speculation.config import ConfigError
 import tracking
+from adaptation.config_bandit import ConfigArm, PARETO_FILE, write_arms
+from speculation.config import ConfigError
+from speculation.drafters import resolve_methods
 
 if TYPE_CHECKING:
     from adaptation.config_bandit import ConfigArm
@@ -231,8 +235,6 @@ def best_row(rows: list[Row], metric: str = "speedup") -> Row | None:
 
 def best_config(row: Row) -> dict[str, dict[str, Any]]:
     """``{method: options}`` for ``graftblock bench --config`` (checked by resolving it)."""
-    from speculation.drafters import resolve_methods
-
     opts = {k: v for k, v in row.config.items() if k != "type"}
     if "type" in row.config and row.config["type"] != row.method:
         opts = {"type": row.config["type"], **opts}
@@ -245,8 +247,6 @@ def pareto_arms(rows: list[Row], metric: str = "speedup") -> list[ConfigArm]:
     """The finished rows on the Pareto front of ``metric`` against the first of
     :func:`pareto_axes` (tree size for speedup), as config-bandit arms
     (:mod:`adaptation.config_bandit`), best ``metric`` first."""
-    from adaptation.config_bandit import ConfigArm  # torch-heavy: only when arms are written
-
     xkey = pareto_axes(metric)[0]
     done = [r for r in rows if r.status == "FINISHED" and r.metrics.get(metric) is not None
             and r.metrics.get(xkey) is not None]
@@ -267,9 +267,6 @@ def pareto_arms(rows: list[Row], metric: str = "speedup") -> list[ConfigArm]:
 
 
 def render_table(rows: list[Row], title: str, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console(width=160)  # job logs are not a terminal: do not squeeze to 80
     knobs = sorted({k for r in rows for k in r.config if k != "type"})
     varying = [k for k in knobs if len({json.dumps(r.config.get(k), default=str) for r in rows}) > 1]
@@ -303,7 +300,6 @@ def compare(
     runs_json = out / "runs.json"
     runs_json.write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
     files.append(runs_json)
-    from adaptation.config_bandit import PARETO_FILE, write_arms
 
     arms = pareto_arms(rows, metric)
     if arms:  # the arm set of `graftblock adapt-bench --config-arms` (config adaptation)
@@ -359,8 +355,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     console = Console(width=160)
     out = Path(args.out_dir) if args.out_dir else Path("runs") / "compare" / args.experiment
     report = compare(

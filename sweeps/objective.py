@@ -17,11 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from ray import tune
 
-from speculation.config import BenchConfig
-from sweeps.space import SearchSpace
 import tracking
+from speculation import assets
+from speculation.bench.runner import run_bench
+from speculation.config import BenchConfig, ConfigError
+from speculation.drafters import resolve_methods
+from speculation.model.target import TargetModel
+from sweeps.space import SearchSpace
 
 #: Metrics every trial reports to Tune (and logs to MLflow without a method prefix).
 TRIAL_METRICS = (
@@ -66,9 +71,6 @@ class TrialContext:
 
 def load_questions(bench: BenchConfig, categories: tuple[str, ...] | None) -> list:
     """The bench's questions, restricted to ``categories`` (an unknown category is an error)."""
-    from speculation import assets
-    from speculation.config import ConfigError
-
     questions = assets.load_questions(bench.dataset, bench.limit_per_category)
     if categories:
         present = sorted({q.category for q in questions})
@@ -115,8 +117,6 @@ def _bench_logged(ctx: TrialContext, run_id: str, stem: str, method_cfg: dict[st
     Artifacts are ``<stem>.json`` (the bench result) and ``<stem>-categories.png``. Whatever stops
     the bench settles the run: KILLED when the sweep was stopped, FAILED on an error.
     """
-    from speculation.bench.runner import run_bench
-
     try:
         t0 = time.perf_counter()
         result = run_bench(ctx.bench, target, questions, {ctx.method: method_cfg})
@@ -151,8 +151,6 @@ def run_trial(
     A retried trial (same number) reopens its run; a dead actor's run is settled by the driver
     (:class:`sweeps.progress.SettleDeadTrials`).
     """
-    from speculation.drafters import resolve_methods
-
     # The full resolved config (defaults included) is what the trial ran: log that, not the delta.
     method_cfg = resolve_methods([ctx.method], {ctx.method: ctx.space.options(params)})[0].config_dict()
     run_id = tracking.open_trial_run(
@@ -165,11 +163,6 @@ def run_trial(
 
 def load_target(bench: BenchConfig):
     """The bench's target model, with the bench's torch threads."""
-    import torch
-
-    from speculation import assets
-    from speculation.model.target import TargetModel
-
     if bench.threads is not None:
         torch.set_num_threads(bench.threads)
     model, tokenizer = assets.load_model_and_tokenizer(bench.model, bench.dtype.torch)

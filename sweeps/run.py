@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import sys
@@ -29,15 +31,25 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import optuna
+import ray
+from optuna.samplers import TPESampler
+from optuna.trial import TrialState
+from ray import tune
+from ray.tune.search.optuna import OptunaSearch
+
 import tracking
+from cluster.deploy import ensure_ray
 from speculation.config import ConfigError
+from sweeps import compare, resume
 from sweeps.config import ResolvedPaths, SweepConfig, check_cluster, load_sweep_config, tune_storage_is_uri
 from sweeps.lease import StudyBusy, StudyLease
+from sweeps.objective import BenchTrainable, TRIAL_METRICS, TrialContext, run_holdout
+from sweeps.progress import SweepProgress
+from sweeps.settle import SettleDeadTrials
 
 
 def _storage(url: str):
-    import optuna
-
     if url.startswith("sqlite:///"):
         Path(url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
         # Several Tune callbacks touch the study; give SQLite a generous lock timeout.
@@ -52,8 +64,6 @@ def _bench_for(cfg: SweepConfig, root: Path):
     the checkout the sweep was submitted from. Named datasets (``spec_bench`` included: it ships
     as package data) need no resolution.
     """
-    import dataclasses
-
     bench = cfg.bench_config()
     ds = bench.dataset
     if ds.endswith(".jsonl") and not Path(ds).is_absolute():
@@ -62,8 +72,6 @@ def _bench_for(cfg: SweepConfig, root: Path):
 
 
 def _best_before(study, objective) -> tuple[float, int] | None:
-    from optuna.trial import TrialState
-
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
     if not done:
         return None
@@ -73,8 +81,6 @@ def _best_before(study, objective) -> tuple[float, int] | None:
 
 def alive_nodes() -> int:
     """Alive nodes of the connected Ray cluster."""
-    import ray
-
     return sum(1 for n in ray.nodes() if n["Alive"])
 
 
@@ -110,9 +116,6 @@ def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, source: tracking.RunSource
     Refuses (ConfigError) a one-machine store on a multi-node cluster and (StudyBusy) a study
     another live job holds; ``force`` takes the study's lease over.
     """
-    from cluster.deploy import ensure_ray
-    from sweeps import resume
-
     tracking.check_reachable(paths.tracking_uri)
     exp_id = tracking.experiment_id(
         paths.experiment, paths.tracking_uri, artifact_location=paths.artifact_location
@@ -134,15 +137,6 @@ def run_sweep(cfg: SweepConfig, paths: ResolvedPaths, source: tracking.RunSource
 def _run_leased(cfg: SweepConfig, paths: ResolvedPaths, source: tracking.RunSource,
                 trials_override: int | None, study, storage, exp_id: str) -> dict:
     """Steps 2-4 of the module doc, with the study's lease held."""
-    from optuna.samplers import TPESampler
-    from ray import tune
-    from ray.tune.search.optuna import OptunaSearch
-
-    from sweeps import compare, resume
-    from sweeps.objective import BenchTrainable, TrialContext
-    from sweeps.progress import SweepProgress
-    from sweeps.settle import SettleDeadTrials
-
     total = trials_override or cfg.trials
     objective = cfg.objective
     space = cfg.search_space()
@@ -238,13 +232,6 @@ def _holdout(cfg: SweepConfig, ctx, best: dict, resources: dict, out_dir: Path) 
     """Bench the best trial's configuration on ``cfg.holdout_categories`` (a Ray task with the
     trials' resources), unless a finished held-out run of that trial exists (a resumed sweep);
     write ``holdout.json`` (sweep score beside held-out score) into ``out_dir``."""
-    import dataclasses
-    import json
-
-    import ray
-
-    from sweeps.objective import TRIAL_METRICS, run_holdout
-
     number = best["trial_number"]
     done = [r for r in tracking.holdout_runs(ctx.tracking_uri, ctx.experiment_id, cfg.study, number)
             if r.status == tracking.RunStatus.FINISHED.value]
@@ -275,8 +262,6 @@ def _holdout(cfg: SweepConfig, ctx, best: dict, resources: dict, out_dir: Path) 
 
 
 def _finish_parent(uri: str, parent: str, report, study, total: int, holdout: dict | None = None) -> None:
-    from optuna.trial import TrialState
-
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
     metrics = {"trials_complete": float(len(complete))}
     if report.best is not None:

@@ -24,8 +24,16 @@ SLOW_FIXTURES = frozenset({
     "smollm2",  # tests/test_assets.py: the same weights
     "ray_local",  # a local Ray cluster
     "tiny_model_dir",  # a saved model that whole commands (adapt-bench, serve, shard actors) load and run
+    "serve_subprocess",  # a `graftblock serve` process: Ray Serve in a child the fast-tier guard cannot see
 })
 """A test that uses one of these (directly or through another fixture) is marked ``slow``."""
+
+
+@pytest.fixture(scope="session")
+def serve_subprocess():
+    """Requested by the fixtures that start `graftblock serve` as a child process: the child starts
+    Ray, which the in-process guard below cannot intercept, so using one marks the test ``slow``."""
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -137,7 +137,7 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, serve_subprocess):
     srv = Server(tmp_path_factory.mktemp("serve"))
     try:
         srv.wait_ready()
@@ -419,7 +419,7 @@ class _SlowDrafter:
 
 
 def _service(delay_s: float, release: threading.Event, **cfg):
-    from cluster.serve_app import OpenAIService
+    from cluster.openai_service import OpenAIService
     from cluster.serve_config import ServeConfig
     from speculation.config import BatchConfig
     from speculation.engine.batch import BatchEngine
@@ -508,7 +508,7 @@ def test_set_overrides_one_key_of_the_file_and_is_validated_like_it():
 def test_shipped_serve_configs_load_and_split_trees_by_goodput(name):
     """The configs the README points to validate, and batch with the goodput rule: without it, a
     retrieval tree per sequence ran at 0.36x batched vanilla at 8 sequences (serve_load, fp32)."""
-    from cluster.serve_app import batch_config
+    from cluster.openai_service import batch_config
     from cluster.serve_config import load_serve_config
 
     cfg = load_serve_config(str(Path(__file__).resolve().parent.parent / "ray_configs" / name))

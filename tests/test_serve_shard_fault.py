@@ -63,7 +63,7 @@ class ShardHelper(ActorHelper):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, serve_subprocess):
     """(server, helper, vanilla references): references are computed while the server starts."""
     from speculation import assets
     from speculation.model.target import TargetModel

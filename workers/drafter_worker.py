@@ -25,11 +25,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 import torch
+from ray import cloudpickle
 
-from speculation.policy.cost import VerifyCostModel
 from speculation.drafters import MethodSpec, build_drafter
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome, WeightSwappable
+from speculation.policy.cost import VerifyCostModel
 
 
 class WeightsNotSupportedError(TypeError):
@@ -61,8 +63,6 @@ class _VocabOnly:
 
 def pack_drafter(drafter: Drafter) -> bytes:
     """A drafter as bytes for :meth:`DrafterWorker.host`."""
-    from ray import cloudpickle
-
     return cloudpickle.dumps(drafter)
 
 
@@ -123,8 +123,6 @@ class DrafterWorker:
         drafter its own writable arrays (an object Ray deserialises directly would hold
         read-only views of the object store, and drafters update their tables in place).
         """
-        from ray import cloudpickle
-
         drafter = cloudpickle.loads(payload)
         if not isinstance(drafter, Drafter):
             raise TypeError(
@@ -190,6 +188,4 @@ def make_actor_class(**options):
 
 @functools.cache
 def _remote_class():
-    import ray
-
     return ray.remote(DrafterWorker)

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -41,12 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
+from ray import cloudpickle
 from safetensors.torch import load_file, save_file
 
 from adaptation.controller import AdaptationController, ControllerConfig, Decision
 from adaptation.feedback import FeedbackRecord
 from adaptation.online import StateDict, TrainableDrafter
+from workers.drafter_worker import pack_drafter
 
 INBOX_RECORDS = 16384
 """Feedback records the learner's inbox holds while a round runs (about 7 KB each at H = 576)."""
@@ -138,8 +142,6 @@ class Learner:
 
     def __init__(self, config: ControllerConfig, checkpoint_dir: str, targets: Sequence[SwapTarget] = (),
                  torch_threads: int | None = 1) -> None:
-        from ray import cloudpickle
-
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         drafter = cloudpickle.loads((Path(checkpoint_dir) / DRAFTER_FILE).read_bytes())
@@ -155,8 +157,6 @@ class Learner:
         self._ref: Any = None
         self._digest = ""
         if saved is not None:
-            import ray
-
             self.controller.version = saved[1]
             self._ref, self._digest = ray.put(saved[0]), weights_digest(saved[0])
         self._restored_from = (self.controller.version, self._digest)
@@ -170,8 +170,6 @@ class Learner:
         self._rounds_thread.start()
 
     def _publish(self, state: StateDict) -> None:
-        import ray
-
         ref = ray.put(state)  # once per publish: workers and pulling replicas share this copy
         if self.targets:
             ray.get([t.worker.swap_weights.remote(t.slot, ref) for t in self.targets])
@@ -260,8 +258,6 @@ class RemoteFeed:
         self.sent = 0
 
     def _reap(self) -> None:
-        import ray
-
         if not self._pending:
             return
         done, rest = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
@@ -273,8 +269,6 @@ class RemoteFeed:
                 self.failed += 1
 
     def __call__(self, batch: list[FeedbackRecord]) -> None:
-        import ray
-
         self._reap()
         if len(self._pending) >= self.max_inflight:
             self.dropped += len(batch)
@@ -289,10 +283,6 @@ class RemoteFeed:
 
 def wait_until_ready(learner: Any, timeout_s: float = 120.0) -> None:
     """Block until ``learner`` answers (e.g. after Ray restarted it); raises ``TimeoutError``."""
-    import time
-
-    import ray
-
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -309,8 +299,6 @@ def spawn_learner(drafter: TrainableDrafter, config: ControllerConfig, checkpoin
     """Start a ``Learner`` actor for ``drafter`` (written to ``checkpoint_dir`` first, see
     :class:`Learner`); ``options`` go to Ray (defaults of :func:`make_learner_class`; with
     ``name=`` and ``get_if_exists=True`` an existing named learner is returned instead)."""
-    from workers.drafter_worker import pack_drafter
-
     directory = Path(checkpoint_dir)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (DRAFTER_FILE + ".tmp")
@@ -327,6 +315,4 @@ def make_learner_class(**options):
 
 @functools.cache
 def _remote_class():
-    import ray
-
     return ray.remote(Learner)

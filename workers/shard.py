@@ -49,7 +49,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+import ray
 import torch
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
 
 from speculation import assets
 from speculation.config import BatchLayout, DType
@@ -294,13 +297,8 @@ class TargetShard:
 
     @staticmethod
     def _pick_device() -> torch.device:
-        try:
-            import ray
-
-            if ray.is_initialized() and ray.get_gpu_ids():
-                return torch.device("cuda")
-        except ImportError:  # pragma: no cover - ray is a dependency of workers/
-            pass
+        if ray.is_initialized() and ray.get_gpu_ids():
+            return torch.device("cuda")
         return torch.device("cpu")
 
     # ------------------------------------------------------------------ small queries
@@ -336,8 +334,6 @@ class TargetShard:
 
     # ------------------------------------------------------------------ sequence state
     def _open(self, seq_id: str) -> _Sequence:
-        from transformers import DynamicCache
-
         self._seqs.pop(seq_id, None)
         seq = _Sequence(reserve_rows(DynamicCache(config=self.config)))
         self._seqs[seq_id] = seq
@@ -416,8 +412,6 @@ class TargetShard:
         preparation (``create_causal_mask``: HF's causal mask when ``mask`` is None, a 4D mask
         passes through), or as :class:`~speculation.model.lean_forward.LeanLayers` where that applies.
         Returns (hidden ``[B, T, H]``, {aux index: its input ``[B, T, H]``})."""
-        from transformers.masking_utils import create_causal_mask
-
         if self._lean is not None and self._lean.applies(hidden):
             return self._lean.run(hidden, positions, cache, mask, tuple(aux_layers))
 
@@ -485,8 +479,6 @@ class TargetShard:
         """:meth:`forward`'s prefill on a scratch cache; with ``store`` its rows are copied into
         rows ``0..n`` of ``slot`` (``store=False``: only pass the hidden states on, for a re-prefill
         whose KV only a later, restarted shard needs). ``compactions`` are applied first."""
-        from transformers import DynamicCache
-
         self._calls["prefill_slot"] += 1
         if step.kind != StepKind.PREFILL:
             raise ValueError(f"prefill_slot needs a prefill step, got {step.kind.value}")
@@ -628,6 +620,4 @@ def make_actor_class(**options):
 
 @functools.cache
 def _remote_class():
-    import ray
-
     return ray.remote(TargetShard)

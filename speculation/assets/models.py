@@ -10,14 +10,18 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from speculation.assets.cache import (
     CHUNK_BYTES,
@@ -137,8 +141,6 @@ def _spec(alias: str) -> ModelSpec:
 
 def _convert(spec: ModelSpec, out_dir: Path) -> None:
     """Convert the alias's GGUF file into a fp32 Hugging Face directory at ``out_dir``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = gguf_path(spec.alias)
     started = time.monotonic()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -178,8 +180,6 @@ def _convert(spec: ModelSpec, out_dir: Path) -> None:
 
 
 def _transformers_version() -> str:
-    import transformers
-
     return transformers.__version__
 
 
@@ -228,9 +228,6 @@ def _hub_offline() -> bool:
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """Whether a TCP connection to the hub endpoint opens (fails fast without network,
     where ``from_pretrained`` would retry for about half a minute)."""
-    import socket
-    from urllib.parse import urlsplit
-
     endpoint = urlsplit(os.environ.get("HF_ENDPOINT", "") or "https://huggingface.co")
     host = endpoint.hostname or "huggingface.co"
     port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
@@ -333,8 +330,6 @@ def _load_error(source: ModelSource, exc: Exception) -> AssetError:
 
 def model_num_layers(name: str | ModelSource) -> int:
     """The model's decoder layer count, from its config only (no weights loaded)."""
-    from transformers import AutoConfig
-
     source = resolve_model(name)
     try:
         cfg = AutoConfig.from_pretrained(source.location, **source.load_kwargs())
@@ -362,8 +357,6 @@ def load_model(
     ``fuse=False`` keeps transformers' separate projections and norms (only packed), the baseline
     of ``benchmarks/decode_profile.py --baseline``.
     """
-    from transformers import AutoModelForCausalLM
-
     source = resolve_model(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -390,8 +383,6 @@ def load_model(
 
 def load_tokenizer(name: str | ModelSource) -> "PreTrainedTokenizerBase":
     """The model's tokenizer (see :func:`resolve_model` for ``name``)."""
-    from transformers import AutoTokenizer
-
     source = resolve_model(name)
     try:
         return AutoTokenizer.from_pretrained(source.location, **source.load_kwargs())

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from speculation import assets
+from speculation.bench.runner import environment, run_concurrency
 from speculation.config import ConfigError, parse_concurrency
+from speculation.config import BenchConfig, DType, EngineConfig, SamplingConfig
+from speculation.engine.solo import generate_vanilla
+from speculation.model.target import TargetModel
 
 
 def add_args(ap: argparse.ArgumentParser, *, dtypes: Sequence[str], concurrency: str, questions: int,
@@ -57,12 +64,6 @@ def levels(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
 def lean_target(ap: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> Any:
     """``--model`` in ``--dtype`` on ``--threads`` torch threads; exits through ``ap.error`` when it does
     not run the lean forward, where ``what`` (the setting the script compares) does not apply."""
-    import torch
-
-    from speculation import assets
-    from speculation.config import DType
-    from speculation.model.target import TargetModel
-
     torch.set_num_threads(args.threads)
     target = TargetModel(*assets.load_model_and_tokenizer(args.model, DType.parse(args.dtype).torch))
     if target.lean is None:
@@ -111,9 +112,6 @@ class Workload:
 
     @classmethod
     def spec_bench(cls, args: argparse.Namespace, target: Any) -> Workload:
-        from speculation import assets
-        from speculation.config import BenchConfig, DType, SamplingConfig
-
         questions = assets.load_questions("spec_bench", args.questions)
         cfg = BenchConfig(methods=(args.method,), model=args.model, dtype=DType.parse(args.dtype),
                           max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(temperature=0.0))
@@ -122,17 +120,12 @@ class Workload:
 
     def solo_outputs(self) -> list[list[int]]:
         """Every prompt's solo greedy vanilla output (the ``lossless`` references)."""
-        from speculation.config import EngineConfig
-        from speculation.engine.solo import generate_vanilla
-
         engine = EngineConfig(max_new_tokens=self.cfg.max_new_tokens, sampling=self.cfg.sampling)
         return [generate_vanilla(self.target, p, engine).tokens for p in self.prompts]
 
     def closed_loop(self, n: int, refs: list[list[int]], goodput: bool = False,
                     questions: list | None = None) -> dict:
         """One closed loop at concurrency ``n``: the method's row of ``run_concurrency``."""
-        from speculation.bench.runner import run_concurrency
-
         qs = self.questions if questions is None else questions
         level = run_concurrency(self.cfg, self.target, qs, [n], goodput=goodput, refs=refs[: len(qs)])
         return level[str(n)]["methods"][self.method]
@@ -162,8 +155,6 @@ def compare(work: Workload, arms: Sequence[str], set_arm: Callable[[str], None],
 def record(kind: str, script: str, args: argparse.Namespace, argv: list[str] | None, work: Workload,
            **figures: Any) -> dict:
     """The result JSON of an A/B script: its kind, command line, host, workload and ``figures``."""
-    from speculation.bench.runner import environment
-
     return {"kind": kind, "command": " ".join([script, *(argv if argv is not None else sys.argv[1:])]),
             "env": environment(), "model": args.model, "dtype": args.dtype, "method": args.method,
             "goodput": args.goodput, "prompts": len(work.prompts), "max_new_tokens": args.max_new_tokens,

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from speculation import assets
 from speculation.bench import vllm_peers
 from speculation.bench.metrics import MethodRuns, TurnRun, summarize_with_speedup
 from speculation.bench.peers import Peer, available_peers, parse_peers, peer_stats, reset_peer_stats, run_hf_batched, run_peer
-from speculation.config import BenchConfig, ConfigError, EngineConfig, to_dict
+from speculation.config import BatchConfig, BenchConfig, ConfigError, EngineConfig, SamplingConfig, to_dict
 from speculation.drafters import (
     Drafter,
     DrafterType,
@@ -35,11 +36,12 @@ from speculation.drafters import (
     drafter_factory,
     resolve_methods,
 )
-from speculation.spec.step import DraftingCheck
+from speculation.engine.batch import BatchEngine, Request
 from speculation.engine.sequence import GenerationResult, TargetBackend
 from speculation.engine.solo import generate_speculative, generate_vanilla
 from speculation.model.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCachedTarget, PrefixCacheStats
 from speculation.model.target import TargetModel
+from speculation.spec.step import DraftingCheck
 
 BASELINE = "vanilla"
 
@@ -97,7 +99,6 @@ def environment() -> dict:
         ).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    import transformers
 
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -345,9 +346,6 @@ def run_concurrency(
     ``refs``: the solo vanilla outputs of the first turns when already known (greedy), else
     computed here.
     """
-    from speculation.config import BatchConfig, SamplingConfig
-    from speculation.engine.batch import BatchEngine, Request
-
     names = list(cfg.methods)
     if BASELINE not in names:
         names.insert(0, BASELINE)

@@ -304,6 +304,8 @@ class TargetModel:
     # ------------------------------------------------------------------ continuous batching (slots)
     def new_slot_pool(self, max_sequences: int, max_tokens: int) -> KVSlotPool:
         """A KV pool of ``max_sequences`` slots of ``max_tokens`` rows for this model."""
+        # Imported here: the vLLM proposer imports this module in .venv-vllm, whose transformers
+        # lacks the cache classes kv_slots builds on.
         from speculation.model.kv_slots import KVSlotPool
 
         return KVSlotPool(self.num_layers, max_sequences, max_tokens)

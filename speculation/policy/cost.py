@@ -379,6 +379,8 @@ _MEASURED: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], float]] = weakre
 
 
 def _fits(target: Any, context: int, size: int) -> bool:
+    # Imported here: the vLLM proposer imports this module in .venv-vllm, whose transformers
+    # cannot import the target (speculation.model.kv_slots).
     from speculation.model.target import ContextLengthError
 
     try:

@@ -82,7 +82,7 @@ import torch
 
 from speculation.config import BatchLayout
 from speculation.policy.cost import interp
-from speculation.spec.tree import DraftTree
+from speculation.spec.tree import DraftTree, NodeSource
 
 DEFAULT_BATCH_CONTEXTS = (64, 512)
 """Committed-context lengths c(B, t, L) is measured at (those that fit the slots)."""
@@ -446,8 +446,6 @@ def measure_batch_cost(
     row a t-token tree over L committed tokens); median of ``repeats`` (after one warm-up).
     On CUDA every timed call is bracketed by ``torch.cuda.synchronize``. The model records the
     target's ``batch_layout`` (PADDED for a target that does not say)."""
-    from speculation.spec.tree import NodeSource
-
     if not contexts or not batch_sizes or not row_tokens:
         raise ValueError("measure_batch_cost needs at least one context, batch size and row size")
     bmax, lmax, tmax = max(batch_sizes), max(contexts), max(row_tokens)
