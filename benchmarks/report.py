@@ -6,7 +6,7 @@
 BENCHMARKS.md is summary first: (1) the verdict table (question, target, measured, date,
 command, link), (2) a table of contents, (3) the sections grouped by question, newest run first
 within a group. Superseded runs (``ARCHIVE``) go to ``benchmarks/archive.md`` instead. Every
-figure is read from the JSON (the tables by ``benchmarks/render.py``'s registry, the verdict and
+figure is read from the JSON (the tables by ``benchmarks/render/``'s registry, the verdict and
 headline cells by the ``Claim`` functions below); the notes are hand-written prose beside them.
 This module is library code: it imports ``benchmarks.render``, never the CLI.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks import render
-from benchmarks.render import ROOT, RESULTS, _command, _f, kind_of, title_of
+from benchmarks.render import ROOT, RESULTS, command_of, fmt, kind_of, title_of
 
 BENCHMARKS = ROOT / "BENCHMARKS.md"
 ARCHIVE = ROOT / "benchmarks" / "archive.md"
@@ -131,7 +131,7 @@ def _load(stem: str) -> dict:
 
 
 def _x(v: float, d: int = 2) -> str:
-    return _f(v, d, "×")
+    return fmt(v, d, "×")
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,9 @@ def _host(res: dict) -> str:
 def _foundation(r: dict) -> str:
     m, p = r["methods"]["retrieval"], r.get("peers", {})
     lossless = ("token-identical to vanilla on all " f"{r['n_turns']} turns" if m["lossless"] is True
-                else f"match rate {_f(m['lossless'])} over {r['n_turns']} turns")
-    out = (f"{_x(m['speedup'])} ({_f(m['tokens_per_s'], 1)} against {_f(r['baseline_tokens_per_s'], 1)} tok/s), "
-           f"tau {_f(m['tau'])}, {lossless}")
+                else f"match rate {fmt(m['lossless'])} over {r['n_turns']} turns")
+    out = (f"{_x(m['speedup'])} ({fmt(m['tokens_per_s'], 1)} against {fmt(r['baseline_tokens_per_s'], 1)} tok/s), "
+           f"tau {fmt(m['tau'])}, {lossless}")
     if "hf_prompt_lookup" in p:
         out += f"; HF prompt lookup {_x(p['hf_prompt_lookup']['speedup'])}"
     return out
@@ -175,14 +175,14 @@ def _eagle3_budgets(r: dict) -> str:
     names = [n for n in ms if re.fullmatch(r"eagle3_\d+", n)]
     return (" / ".join(_x(ms[n]["speedup"]) for n in names) + " vanilla at "
             + " / ".join(n.split("_")[1] for n in names) + " tokens, tau "
-            + " / ".join(_f(ms[n]["tau"]) for n in names))
+            + " / ".join(fmt(ms[n]["tau"]) for n in names))
 
 
 def _graft_bf16(r: dict) -> str:
     ms = r["methods"]
     g, d, ro = ms["graft"], ms["eagle3_32"], ms["retrieval_only"]
     return (f"Graft {_x(g['speedup'])} against dense EAGLE-3 {_x(d['speedup'])} ({_x(g['speedup'] / d['speedup'])} "
-            f"the dense speedup), tau {_f(g['tau'])} against {_f(d['tau'])}; retrieval_only {_x(ro['speedup'])}")
+            f"the dense speedup), tau {fmt(g['tau'])} against {fmt(d['tau'])}; retrieval_only {_x(ro['speedup'])}")
 
 
 def _graft_vs_retrieval(r: dict) -> str:
@@ -207,8 +207,8 @@ def _specblock(r: dict) -> str:
     ms = r["methods"]
     s, e = ms["specblock"], ms["eagle3_48"]
     return (f"{_x(s['speedup'])} against {_x(e['speedup'])} vanilla at 48 tokens ({_x(s['speedup'] / e['speedup'])} "
-            f"of EAGLE-3); drafting {_f(1000 * s['drafting_s_per_step'], 1)} against "
-            f"{_f(1000 * e['drafting_s_per_step'], 1)} ms per step")
+            f"of EAGLE-3); drafting {fmt(1000 * s['drafting_s_per_step'], 1)} against "
+            f"{fmt(1000 * e['drafting_s_per_step'], 1)} ms per step")
 
 
 def _vanilla_scaling(r: dict) -> str:
@@ -241,7 +241,7 @@ def _vllm_load(r: dict) -> str:
 
 
 def _serving(r: dict) -> str:
-    return (f"serving / offline throughput {_f(r['serving_over_offline'])} at {r['clients']} streaming clients, "
+    return (f"serving / offline throughput {fmt(r['serving_over_offline'])} at {r['clients']} streaming clients, "
             f"{r['errors']} errors in {r['requests_done']} requests")
 
 
@@ -249,7 +249,7 @@ def _harmful(r: dict) -> str:
     h = r["harmful"]
     lossless = all(p["lossless"] is True for p in r["policies"].values())
     return (f"{h['closed_as'].replace('_', ' ')} {h['requests_to_rollback']} request(s) after the swap (counting its own); "
-            f"cost {_f(100 * h['cost_share_of_phase'], 2)}% of the phase's serving time"
+            f"cost {fmt(100 * h['cost_share_of_phase'], 2)}% of the phase's serving time"
             + ("; output unchanged" if lossless else ""))
 
 
@@ -257,7 +257,7 @@ def _learner(r: dict) -> str:
     p = r["policies"]
     ca = p["cost_aware"]
     kept = [d for d in ca.get("decisions", []) if d.get("outcome") == "kept"]
-    realised = (f" (realised {_f(kept[0]['realised_gain_s'], 1)} s)" if kept and kept[0].get("realised_gain_s")
+    realised = (f" (realised {fmt(kept[0]['realised_gain_s'], 1)} s)" if kept and kept[0].get("realised_gain_s")
                 is not None else "")
     return (f"{ca['updates']} update(s) applied, {len(kept)} kept{realised}, {ca['rollbacks']} rolled back, "
             f"{ca['gated']} gated; {_x(ca['tokens_per_s'] / p['static']['tokens_per_s'], 3)} static over the run")
@@ -267,13 +267,13 @@ def _serve_learner(r: dict) -> str:
     lrn = r.get("learner") or {}
     return (f"feedback sent {int(lrn.get('feedback_sent', 0))}, dropped {int(lrn.get('feedback_dropped', 0))}; "
             f"swaps {int(lrn.get('swaps', 0))}, rollbacks {int(lrn.get('rollbacks', 0))}; "
-            f"{_f(r['output_tokens_per_s'], 2)} tok/s, {r['errors']} errors")
+            f"{fmt(r['output_tokens_per_s'], 2)} tok/s, {r['errors']} errors")
 
 
 def _decode_lean(r: dict) -> str:
     b = r.get("baseline") or {}
-    return (f"{_f(r['wall_ms_per_step'], 1)} ms per step; {_x(b.get('paired_speedup_median'), 3)} the baseline "
-            f"`{b.get('name', '?')}` (median of pairs), identical tokens: {_f(b.get('identical_tokens'))}")
+    return (f"{fmt(r['wall_ms_per_step'], 1)} ms per step; {_x(b.get('paired_speedup_median'), 3)} the baseline "
+            f"`{b.get('name', '?')}` (median of pairs), identical tokens: {fmt(b.get('identical_tokens'))}")
 
 
 def _linear_kernels(r: dict) -> str:
@@ -285,7 +285,7 @@ def _linear_kernels(r: dict) -> str:
 def _workload(r: dict) -> str:
     ms, peers = r["methods"], r.get("peers", {})
     ours = max((n for n in ms if n != "vanilla"), key=lambda n: ms[n]["tokens_per_s"])
-    out = ", ".join(f"{n} {_x(ms[n]['speedup'])} (tau {_f(ms[n]['tau'])})" for n in ms if n != "vanilla")
+    out = ", ".join(f"{n} {_x(ms[n]['speedup'])} (tau {fmt(ms[n]['tau'])})" for n in ms if n != "vanilla")
     rivals = [p for p in ("vllm_ngram", "vllm_suffix") if p in peers and peers[p].get("tokens_per_s")]
     if rivals:
         best = max(rivals, key=lambda p: peers[p]["tokens_per_s"])
@@ -294,7 +294,7 @@ def _workload(r: dict) -> str:
         mine, theirs = ms[ours], peers[best]
         if mine.get("decode_tokens_per_s") and theirs.get("decode_tokens_per_s"):  # vLLM's prefill: its TTFT
             out += (f", decode loop alone {_x(mine['decode_tokens_per_s'] / theirs['decode_tokens_per_s'])}, prefill "
-                    f"{_f(mine['prefill_s'] / mine['n_turns'], 2)} against {_f(theirs['prefill_s'] / theirs['n_turns'], 2)} s/turn")
+                    f"{fmt(mine['prefill_s'] / mine['n_turns'], 2)} against {fmt(theirs['prefill_s'] / theirs['n_turns'], 2)} s/turn")
     if "hf_prompt_lookup" in peers:
         out += f"; HF prompt lookup {_x(peers['hf_prompt_lookup']['speedup'])}"
     lossless = all(m.get("lossless") is True for m in ms.values())
@@ -318,7 +318,7 @@ def _long_context(r: dict) -> str:
 
 def _store_memory(r: dict) -> str:
     f, b = r["fill"], r["bounded"]
-    return (f"{_f(f['mib_per_million_tokens'], 0)} MiB per million stored tokens; a {b['capacity_tokens']}-token store "
+    return (f"{fmt(f['mib_per_million_tokens'], 0)} MiB per million stored tokens; a {b['capacity_tokens']}-token store "
             f"fed {b['fed_tokens']} held {b['stored_tokens']}")
 
 
@@ -427,7 +427,7 @@ def _verdicts(link: Callable[[str], str]) -> list[str]:
         res = _load(c.stem)
         path = RESULTS / f"{c.stem}.json"
         lines.append(f"| {_cell(c.question)} | {_cell(c.target)} | {_cell(c.measured(res))} | {_date(res)[:10]} | "
-                     f"`{_cell(_command(res, path))}` | [{_cell(c.label or title_of(path))}]({link(c.stem)}) |")
+                     f"`{_cell(command_of(res, path))}` | [{_cell(c.label or title_of(path))}]({link(c.stem)}) |")
     return lines
 
 

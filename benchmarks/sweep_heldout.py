@@ -3,7 +3,7 @@
 The sweep job writes its comparison (``runs.json``: one row per trial) and ``holdout.json`` (the
 best trial's sweep score beside its held-out score) under ``<output_dir>/compare``, and every
 trial's bench JSON under ``<output_dir>/artifacts``. This script gathers them into one JSON for
-``benchmarks/results/`` (rendered by ``benchmarks/render.py``): the searched knobs and metrics of
+``benchmarks/results/`` (rendered by ``benchmarks/render/``): the searched knobs and metrics of
 every trial, and the held-out bench's per-category figures and environment. It measures nothing.
 
     .venv/bin/python benchmarks/sweep_heldout.py --config ray_configs/sweep_graft.yaml \\

@@ -134,3 +134,19 @@ def test_cli_wires_the_report_subcommand():
 
     args = cli.build_parser().parse_args(["report", "--check"])
     assert args.func is cli.cmd_report and args.check is True
+
+
+def test_no_rendered_page_points_outside_the_repository():
+    """A result that recorded an absolute dataset path outside the checkout (an early sweep read
+    Spec-Bench from a shared folder) renders it by its last two parts, with a note; names and
+    paths in the repo render as recorded."""
+    outside = "/somewhere/else/spec_bench/question.jsonl"
+    assert render.dataset_label(outside) == "spec_bench/question.jsonl"
+    assert "ship in the package as `--dataset spec_bench`" in render.dataset_note(outside)
+    inside = str(render.ROOT / "benchmarks" / "data.jsonl")
+    for name in ("code_edit", "data/x.jsonl", inside):
+        assert render.dataset_label(name) == name and render.dataset_note(name) == ""
+    beside = re.compile(r"(?:\.\./|/work/)shared/")  # the folder beside a checkout that a clone lacks
+    for page in ("BENCHMARKS.md", "benchmarks/archive.md", "README.md"):
+        text = (render.ROOT / page).read_text(encoding="utf-8")
+        assert not beside.search(text), f"{page} points at a folder beside the checkout"

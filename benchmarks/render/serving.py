@@ -1,0 +1,61 @@
+"""Serving: closed-loop load against ``graftblock serve`` and the Ray hop's overhead."""
+
+from __future__ import annotations
+
+from benchmarks.render.base import dataset_label, dataset_note, fmt, ms, renderer
+
+
+@renderer("serve_load")
+def render_serve_load(res: dict) -> list[str]:
+    """A live server under N streaming ``openai`` clients, against the offline batched engine."""
+    srv = res.get("server", {})
+    lines = [f"Server: model **{srv.get('model', res.get('model'))}**, dtype **{srv.get('dtype', '?')}**, method "
+             f"`{srv.get('method', '?')}`, {srv.get('max_sequences', '?')} sequences per step; {res['clients']} "
+             f"closed-loop streaming clients, greedy, {res['max_tokens']} max tokens, "
+             f"dataset `{dataset_label(res['dataset'])}`{dataset_note(res['dataset'])}; "
+             f"torch threads: replica {res.get('server_torch_threads', '?')}"
+             + (f", offline {res['offline'].get('torch_threads', '?')}" if res.get("offline") else "")
+             + (f"; learner policy `{srv['learner_policy']}`" if srv.get("learner_policy") else "") + ".", "",
+             "| run | requests | errors | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT ms | tau |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| serving | {res['requests_done']} | {res['errors']} | {fmt(res['output_tokens_per_s'], 1)} | "
+             f"{ms(res['ttft_p50_s'])} / {ms(res['ttft_p99_s'])} | {ms(res['itl_p50_s'])} / {ms(res['itl_p99_s'])} | "
+             f"{ms(res.get('tpot_mean_s'))} | {fmt(res.get('tau_mean'))} |"]
+    off = res.get("offline")
+    if off:
+        lines.append(f"| offline batched engine ({off['method']}, N={res['clients']}) | {off['n_prompts']} | 0 | "
+                     f"{fmt(off['tokens_per_s'], 1)} | {ms(off['ttft_p50_s'])} / {ms(off['ttft_p99_s'])} | "
+                     f"{ms(off['itl_p50_s'])} / {ms(off['itl_p99_s'])} | – | {fmt(off.get('tau'))} |")
+        lines += ["", f"Serving throughput / offline throughput: **{fmt(res['serving_over_offline'], 2)}** "
+                      f"(target ≥ 0.80)."]
+    if res.get("per_phase"):
+        lines += ["", "Per phase of the stream (a request counts in its prompt's phase; seconds from the previous "
+                      "phase's last finish):", "", "| phase | requests | tokens | tok/s | mean tau |", "|---|---|---|---|---|"]
+        for ph, r in res["per_phase"].items():
+            lines.append(f"| {ph} | {r['requests']} | {r['tokens']} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['tau_mean'], 3)} |")
+        lrn = res.get("learner") or {}
+        dec = ", ".join(f"{k} {int(v)}" for k, v in sorted((lrn.get("decisions") or {}).items())) or "none"
+        lines += ["", f"Learner (scraped from `/metrics` at the end): decisions: {dec}; swaps "
+                      f"{int(lrn.get('swaps', 0))}, rollbacks {int(lrn.get('rollbacks', 0))}, weights version "
+                      f"{int(lrn.get('weights_version', 0))}; feedback records sent {int(lrn.get('feedback_sent', 0))}, "
+                      f"dropped {int(lrn.get('feedback_dropped', 0))}."]
+    return lines
+
+
+@renderer("ray_overhead")
+def render_ray_overhead(res: dict) -> list[str]:
+    lines = [f"Model **{res['model']}**, {len(res['prompts'])} prompts x {res['max_new_tokens']} new tokens, "
+             f"{res['threads']} torch threads, OMP_WAIT_POLICY={res.get('omp_wait_policy')}. Milliseconds per "
+             "step (in-process vs over Ray actors with 1 and 2 target shards; overhead = Ray - in-process).", "",
+             "| dtype | path | decode step | retrieval spec step | verify 8 | verify 32 | exact vs in-process |",
+             "|---|---|---|---|---|---|---|"]
+    for dt, r in res["results"].items():
+        for path, ms in r["per_path_ms"].items():
+            over = r.get("overhead_ms", {}).get(path, {})
+            cells = []
+            for key in ("decode_ms", "spec_step_ms", "verify_8_ms", "verify_32_ms"):
+                extra = f" ({over[key]:+.0f})" if key in over else ""
+                cells.append(f"{ms[key]:.0f}{extra}")
+            exact = r.get("exact_vs_local", {}).get(path, "–" if path == "local" else None)
+            lines.append(f"| {dt} | {path} | " + " | ".join(cells) + f" | {fmt(exact)} |")
+    return lines
