@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from adaptation.batches import FeatureBatch, make_batch, plan_batches
 from adaptation.data import TrainData
-from adaptation.evaluation import measure_tau
+from adaptation.evaluation import ACCEPT_DEPTHS, measure_tau
 from adaptation.family import DrafterFamily, DraftNetwork, check_knob
 from adaptation.features import FeatureCache, ShardData
 from adaptation.vocab import DraftVocab, select_draft_vocab, token_counts
@@ -356,6 +356,7 @@ class Trainer:
         record = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
         record["tokens"] = self.state.tokens
         record["step"] = self.state.step
+        record["elapsed_s"] = round(self._elapsed(), 1)  # wall time so far: extraction, training, evaluations
         self.state.evals.append(record)
         self.state.last_eval_tokens = self.state.tokens
         self.state.last_eval_elapsed_s = self._elapsed()
@@ -387,7 +388,9 @@ class Trainer:
             },
             "heldout": last_eval,
             "tau_curve": [
-                {"tokens": e["tokens"], "tau": e.get("heldout.tau"), "acc_0": e.get("heldout.acc_0")}
+                {"tokens": e["tokens"], "tau": e.get("heldout.tau"), "acc_0": e.get("heldout.acc_0"),
+                 "accept_ge": [e.get(f"heldout.accept_ge_{j}") for j in range(1, ACCEPT_DEPTHS + 1)],
+                 "elapsed_s": e.get("elapsed_s")}
                 for e in self.state.evals
             ],
             "command": command,

@@ -161,3 +161,25 @@ def test_a_run_killed_by_pid_resumes_to_the_same_shards(tmp_path):
     assert len(_shards(whole)) == 5
     manifest = json.loads((killed / "manifest.json").read_text())
     assert manifest["complete"] and manifest["stats"]["items"] == 5
+
+
+COMMITTED = REPO / "data" / "distill" / "smollm2-135m"
+
+
+def test_the_committed_distilled_data_is_complete_small_and_disjoint_from_heldout_and_benchmarks():
+    manifest = json.loads((COMMITTED / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["contract"]["heldout"] == 24
+    assert manifest["contract"]["sharegpt"] == "packaged" and manifest["contract"]["target"] == "smollm2-135m"
+    assert sum(p.stat().st_size for p in COMMITTED.iterdir()) < 20 * 2**20  # the bound for the text
+    records = list(read_distilled(COMMITTED))
+    assert len(records) == manifest["stats"]["items"]
+    source = str(assets.sharegpt_path())
+    held_ids = {cid for cid, _ in itertools.islice(conversations(iter_sharegpt(source), spec_bench_texts()), 24)}
+    assert not held_ids & {r["id"] for r in records}
+    bench = benchmark_texts()
+    users = [m["content"] for r in records for m in r["messages"] if m["role"] == "user"]
+    assert users and not any(normalize(u) in bench for u in users)
+    # Every answer is the target's: the records hold one assistant turn after each user turn asked.
+    for r in records:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles == ["user", "assistant"] * (len(roles) // 2), r["id"]

@@ -17,6 +17,7 @@ import torch
 
 from adaptation.data import Sample, TrainData, regenerate, regenerated_samples
 from adaptation.eagle3_loss import Eagle3Family
+from adaptation.evaluation import ACCEPT_DEPTHS
 from adaptation.features import FeatureCache, extract_sequence
 from adaptation.trainer import Trainer, TrainConfig
 from adaptation.vocab import select_draft_vocab, token_counts
@@ -137,6 +138,12 @@ def test_training_lowers_loss_raises_acceptance_and_resumes(tmp_path):
     manifest = read_manifest(tmp_path / "export")
     assert manifest["command"] == "pytest" and manifest["training"]["stop_reason"] == "max_tokens"
     assert [p["tokens"] for p in manifest["tau_curve"]] == [e["tokens"] for e in evals]
+    # Acceptance per position: P(accepted >= j) falls with j, and its sum is the mean accepted
+    # per step (E[A] = sum_j P(A >= j); the eval tree is 3 deep, below ACCEPT_DEPTHS).
+    ge = manifest["tau_curve"][-1]["accept_ge"]
+    assert len(ge) == ACCEPT_DEPTHS and all(a >= b for a, b in zip(ge, ge[1:])) and ge[0] > 0
+    assert sum(ge) == pytest.approx(evals[-1]["heldout.accepted_per_step"])
+    assert manifest["tau_curve"][-1]["elapsed_s"] >= manifest["tau_curve"][0]["elapsed_s"]
     drafter = build_eagle3_drafter(Eagle3Config(checkpoint=str(tmp_path / "export"), total_tokens=16, depth=3,
                                                 top_k=4), target)
     assert drafter.model.arch == head.arch
