@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import getpass
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -166,3 +168,20 @@ def test_second_submission_refuses_and_leaves_live_trials_alone(tmp_path, ray_lo
     assert "sweep: error: study 'busy' is being run by another sweep job" in err and "--force" in err
     assert study.trials[live.number].state == optuna.trial.TrialState.RUNNING  # not settled as killed
     assert holder.current().owner == holder.owner
+
+
+def test_processes_opening_one_fresh_sqlite_store_together_all_get_the_experiment(tmp_path):
+    """Two ``graftblock train`` started at once in one directory both create the schema of a new
+    sqlite store; without the first-open lock one died with alembic's "expected to match one row"."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code = ("import sys, time; import mlflow, tracking; t = float(sys.argv[2]); time.sleep(max(0.0, t - time.time())); "
+            "print(tracking.experiment_id('together', sys.argv[1]))")
+    start = time.time() + 8.0  # every process has imported mlflow before the common start
+    procs = [subprocess.Popen([sys.executable, "-c", code, uri, str(start)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [e[-1500:] for _, e in outs]
+    ids = {o.strip().splitlines()[-1] for o, _ in outs}
+    assert len(ids) == 1  # one experiment, the same id for all
+    assert (tmp_path / "mlflow.db.lock").exists()

@@ -7,7 +7,9 @@ else ``sqlite:///<default_dir>/mlflow.db`` (``default_dir`` = the cwd for ``benc
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fcntl
 import os
 import urllib.error
 import urllib.request
@@ -59,6 +61,31 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
                             "or pass --no-mlflow") from exc
 
 
+SQLITE_PREFIX = "sqlite:///"
+
+
+@contextlib.contextmanager
+def first_open_lock(uri: str):
+    """Hold an exclusive ``flock`` on ``<db>.lock`` beside a sqlite store, else nothing.
+
+    MLflow creates and migrates a sqlite store's schema the first time a process opens it; two
+    processes doing that at once (two ``graftblock train`` started together in one directory) make
+    one fail with alembic's "expected to match one row". Holding this lock while the store is first
+    opened serialises that step; it is released as soon as the experiment id is known.
+    """
+    if not uri.startswith(SQLITE_PREFIX) or uri.endswith(":memory:"):
+        yield
+        return
+    db = Path(uri[len(SQLITE_PREFIX):].split("?", 1)[0])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def experiment_id(name: str, uri: str, artifact_location: str | None = None) -> str:
     """Id of experiment ``name`` in the store at ``uri``, created if missing.
 
@@ -69,20 +96,26 @@ def experiment_id(name: str, uri: str, artifact_location: str | None = None) -> 
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    client = mlflow.MlflowClient(tracking_uri=uri)
     try:
-        exp = client.get_experiment_by_name(name)
-        if exp is not None:
-            return exp.experiment_id
-        try:
-            return client.create_experiment(name, artifact_location=artifact_location)
-        except MlflowException:  # created concurrently by another process: read it back
-            exp = client.get_experiment_by_name(name)
-            if exp is None:
-                raise
-            return exp.experiment_id
+        with first_open_lock(uri):
+            return _open_experiment(mlflow.MlflowClient(tracking_uri=uri), name, artifact_location)
     except MlflowException as exc:
         raise TrackingError(f"MLflow store {uri}: cannot open experiment {name!r} ({_first_line(exc)})") from exc
+
+
+def _open_experiment(client, name: str, artifact_location: str | None) -> str:
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException:  # created concurrently by another process: read it back
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 def prepare(experiment: str, uri: str | None, artifact_location: str | None = None,
