@@ -10,6 +10,13 @@ Spec-Bench first turn (``--questions`` per category) is decoded greedily by both
 prompt by prompt. Reports per drafter and arm: drafting milliseconds per verify step (the
 engine's ``drafting_s``: propose + observe), verify milliseconds per step, tokens/s, tau, the
 per-prompt paired ratio of drafting time, and whether the two arms' tokens are identical.
+
+The per-forward profile (``profile``, per drafter) asks whether one drafter forward costs what its
+size says: ``ms_per_forward`` = drafting seconds / drafter forwards (the steps' ``drafter_forwards``,
+a batched forward counting once) against ``bound_ms`` = 1.5 x (drafter parameters / target
+parameters) x one vanilla target decode step (``target_step_ms``: the reference decodes' wall
+seconds after prefill / tokens after the first). Drafter parameters are the network's own: the
+embedding it borrows from the target is not counted; the target's count includes its tied embedding.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ def _unpacked(network: nn.Module) -> nn.Module:
     return plain
 
 
+def _own_parameters(network: nn.Module, target: nn.Module) -> int:
+    """Parameters of ``network`` not shared with ``target`` (a borrowed embedding is the target's)."""
+    borrowed = {p.data_ptr() for p in target.parameters()}
+    return sum(p.numel() for p in network.parameters() if p.data_ptr() not in borrowed)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -69,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     questions = assets.load_questions("spec_bench", args.questions)
     prompts = [assets.encode_turn(target.tokenizer, [], q.turns[0]) for q in questions]
     cfg = EngineConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=True, sampling=SamplingConfig(temperature=0.0))
-    reference = [generate_vanilla(target, p, cfg).tokens for p in prompts]
+    generate_vanilla(target, prompts[0], cfg)  # warm-up
+    vanilla = [generate_vanilla(target, p, cfg) for p in prompts]
+    reference = [r.tokens for r in vanilla]
+    decode_s = sum(r.wall_s - r.prefill_s for r in vanilla)
+    target_step_ms = 1e3 * decode_s / max(1, sum(len(r.tokens) - 1 for r in vanilla))
+    target_params = sum(p.numel() for p in target.model.parameters())
 
     results = {}
     for name in names:
@@ -78,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         packed_layers = sum(isinstance(m, PackedLinear) for m in arms["packed"].model.modules())
         generate_speculative(target, arms["packed"], prompts[0], cfg)  # warm-up: oneDNN primitives
         generate_speculative(target, arms["linear"], prompts[0], cfg)
-        totals = {a: {"steps": 0, "tokens": 0, "accepted": 0, "drafting_s": 0.0, "verify_s": 0.0, "wall_s": 0.0}
+        totals = {a: {"steps": 0, "tokens": 0, "accepted": 0, "forwards": 0, "drafting_s": 0.0, "verify_s": 0.0,
+                      "wall_s": 0.0}
                   for a in ARMS}
         tokens = {a: [] for a in ARMS}
         paired = []
@@ -92,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 tot["steps"] += len(res.steps)
                 tot["tokens"] += len(res.tokens)
                 tot["accepted"] += sum(s.accepted for s in res.steps)
+                tot["forwards"] += sum(s.drafter_forwards for s in res.steps)
                 drafting = sum(s.drafting_s for s in res.steps)
                 tot["drafting_s"] += drafting
                 tot["verify_s"] += sum(s.verify_s for s in res.steps)
@@ -99,7 +119,14 @@ def main(argv: list[str] | None = None) -> int:
                 per_step[arm] = drafting / max(1, len(res.steps))
             paired.append(per_step["linear"] / per_step["packed"])
         paired.sort()
+        drafter_params = _own_parameters(arms["packed"].model, target.model)
+        share = drafter_params / target_params
         results[name] = {
+            "profile": {"drafter_params": drafter_params, "target_params": target_params, "share": share,
+                        "target_step_ms": target_step_ms, "bound_ms": 1.5 * share * target_step_ms,
+                        "ms_per_forward": {a: 1e3 * t["drafting_s"] / max(1, t["forwards"])
+                                           for a, t in totals.items()},
+                        "forwards_per_step": {a: t["forwards"] / t["steps"] for a, t in totals.items()}},
             "packed_linear_layers": packed_layers,
             "arms": {a: {"drafting_ms_per_step": 1e3 * t["drafting_s"] / t["steps"],
                          "verify_ms_per_step": 1e3 * t["verify_s"] / t["steps"],

@@ -69,6 +69,17 @@ def render_drafter_kernels(res: dict) -> list[str]:
         lines.append(f"- {name}: drafting time, linear / packed per prompt: **{fmt(d['drafting_speedup_paired_median'], 2)}×** "
                      f"(median), packed faster on {d['prompts_faster']} of {res['prompts']} prompts; identical tokens: "
                      f"{fmt(d['identical_tokens'])}; lossless against vanilla: {fmt(d['lossless'])}.")
+    profiled = {n: d["profile"] for n, d in res["drafters"].items() if "profile" in d}
+    if profiled:
+        lines += ["", "One drafter forward against its size: the bound is 1.5 × (drafter parameters / target parameters) "
+                  "× one vanilla target decode step (#38).", "",
+                  "| drafter | own parameters | share of target | target step ms | bound ms | forwards/step | "
+                  "ms per forward, linear | packed | packed / bound |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, p in profiled.items():
+            per = p["ms_per_forward"]
+            lines.append(f"| {name} | {p['drafter_params'] / 1e6:.2f}M | {fmt(100 * p['share'], 1)}% | "
+                         f"{fmt(p['target_step_ms'], 1)} | {fmt(p['bound_ms'], 2)} | {fmt(p['forwards_per_step']['packed'], 2)} | "
+                         f"{fmt(per['linear'], 2)} | {fmt(per['packed'], 2)} | **{fmt(per['packed'] / p['bound_ms'], 2, '×')}** |")
     return lines
 
 
