@@ -159,6 +159,11 @@ class TrainState:
     last_loss: float = math.nan
     evals: list[dict] = field(default_factory=list)
     done: bool = False
+    extract_s: float = 0.0
+    """Wall seconds spent extracting target features into the cache (0 for shards already cached)."""
+    shards_extracted: int = 0
+    shards_reused: int = 0
+    """Training shards loaded from the cache a previous run (or epoch) wrote."""
 
 
 def _lr(cfg: TrainConfig, step: int, progress: float) -> float:
@@ -384,13 +389,15 @@ class Trainer:
                 "epochs_started": self.state.epoch + 1,
                 "wall_s": round(self._elapsed() if self._t0 else self.state.elapsed_s, 1),
                 "last_loss": self.state.last_loss,
+                "feature_extract_s": round(self.state.extract_s, 1),
+                "feature_shards": {"extracted": self.state.shards_extracted, "reused": self.state.shards_reused},
                 "config": self.config_dict(),
             },
             "heldout": last_eval,
             "tau_curve": [
                 {"tokens": e["tokens"], "tau": e.get("heldout.tau"), "acc_0": e.get("heldout.acc_0"),
                  "accept_ge": [e.get(f"heldout.accept_ge_{j}") for j in range(1, ACCEPT_DEPTHS + 1)],
-                 "elapsed_s": e.get("elapsed_s")}
+                 "elapsed_s": e.get("elapsed_s"), "eval_s": e.get("heldout.tau_eval_s")}
                 for e in self.state.evals
             ],
             "command": command,
@@ -483,8 +490,14 @@ class Trainer:
                     if not cached and not samples:
                         self.state.shard = shard_idx + 1
                         continue
+                    t_shard = time.perf_counter()
                     shard = self.cache.get_or_extract(shard_idx, samples, self.target.model,
                                                       self.target.aux_layers, self.cfg.topk)
+                    if cached:
+                        self.state.shards_reused += 1
+                    else:
+                        self.state.extract_s += time.perf_counter() - t_shard
+                        self.state.shards_extracted += 1
                     plan = plan_batches(shard.lengths(), self.cfg.batch_tokens,
                                         seed=self.cfg.seed * 1_000_003 + self.state.epoch * 10_007 + shard_idx)
                     for b in range(self.state.batch, len(plan)):

@@ -12,11 +12,19 @@ speculative decoding of the held-out ShareGPT prompts (never trained on, not in 
 * the curve: tokens, tau, ``accept_ge_j`` (share of verify steps accepting at least j drafted
   tokens), the wall seconds so far;
 * a fit ``tau = a + b * log2(tokens)`` over the points with tokens > 0 (least squares), and from
-  it the tokens, and the CPU-hours at the run's own end-to-end rate (tokens / wall seconds, with
-  feature extraction and evaluations included), to reach tau 2.5 and 3.0. Extrapolating a
-  log-linear fit far beyond its points is a guess, and the JSON says which range it was fitted on;
+  it the tokens, and the CPU-hours, to reach tau 2.5 and 3.0. CPU-hours are at the run's training
+  rate: tokens / (wall seconds - the seconds its tau evaluations took), so feature extraction is
+  included and the evaluations, which a longer run need not repeat as often, are not (the
+  end-to-end figure is recorded beside it). Each point's evaluation seconds come from its
+  ``tau_curve`` entry or, for runs that predate that field, the checkpoint the trainer saved at
+  that point (``heldout.tau_eval_s``). Extrapolating a log-linear fit far beyond its points is a
+  guess, and the JSON says which range it was fitted on;
 * for every other run, tau at the tokens both runs evaluated (the ratio at equal training tokens,
   which is equal compute: the same network, loss and batch plan per token).
+
+Where the run's feature cache is still on disk (``--features`` of its command, else
+``DIR/features``), its size is recorded: bytes and tokens over the ``shard_*.safetensors`` files
+(tokens = rows of their ``input_ids``), and bytes per million tokens.
 
 A PNG of tau against tokens (log scale) goes beside the JSON.
 """
@@ -31,6 +39,8 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
+
+from safetensors import safe_open
 
 from speculation.bench.runner import environment
 
@@ -72,12 +82,43 @@ def command_option(manifest: dict, name: str) -> str | None:
     return None
 
 
-def curve_of(label: str, manifest: dict) -> dict:
+def feature_cache(where: Path | None) -> dict | None:
+    """Size of a feature cache directory: bytes, tokens and bytes per million tokens over its
+    ``shard_*.safetensors`` (the held-out shard included); None when it is not there."""
+    if where is None or not (where / "meta.json").is_file():
+        return None
+    shards = sorted(where.glob("shard_*.safetensors"))
+    tokens = 0
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            tokens += f.get_slice("input_ids").get_shape()[0]
+    size = sum(s.stat().st_size for s in shards)
+    return {"dir": str(where), "shards": len(shards), "bytes": size, "tokens": tokens,
+            "bytes_per_million_tokens": size / tokens * 1e6 if tokens else None}
+
+
+def _checkpoint_eval_s(workdir: Path | None, tokens: int) -> float | None:
+    """``heldout.tau_eval_s`` of the checkpoint the trainer saved at ``tokens`` (None if absent)."""
+    if workdir is None:
+        return None
+    path = workdir / "checkpoints" / f"tokens_{tokens:010d}" / "manifest.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("heldout", {}).get("heldout.tau_eval_s")
+
+
+def curve_of(label: str, manifest: dict, workdir: Path | None = None) -> dict:
     """One run's curve, fit and extrapolation (see the module docstring)."""
     tr = manifest["training"]
     points = [{"tokens": int(p["tokens"]), "tau": p.get("tau"), "accept_ge": p.get("accept_ge"),
-               "elapsed_s": p.get("elapsed_s")} for p in manifest.get("tau_curve", [])]
-    rate = tr["tokens"] / tr["wall_s"] if tr.get("wall_s") else None  # tokens per wall second, end to end
+               "elapsed_s": p.get("elapsed_s"),
+               "eval_s": p.get("eval_s", _checkpoint_eval_s(workdir, int(p["tokens"])))}
+              for p in manifest.get("tau_curve", [])]
+    wall = tr.get("wall_s")
+    end_to_end = tr["tokens"] / wall if wall else None  # tokens per wall second, evaluations included
+    eval_s = sum(p["eval_s"] for p in points) if points and all(p["eval_s"] is not None for p in points) else None
+    training = tr["tokens"] / (wall - eval_s) if wall and eval_s is not None and wall > eval_s else None
+    rate, basis = (training, "training") if training else (end_to_end, "end_to_end")
     fit = fit_log_tokens([p["tokens"] for p in points], [p["tau"] for p in points])
     reach = {}
     for target in TAU_TARGETS:
@@ -89,9 +130,17 @@ def curve_of(label: str, manifest: dict) -> dict:
     return {"label": label, "data": manifest["data"].get("source"),
             "distilled_new_tokens": manifest["data"].get("distilled_new_tokens"),
             "tokens": tr["tokens"], "wall_s": tr["wall_s"], "tokens_per_s": rate,
+            "tokens_per_s_end_to_end": end_to_end, "rate_basis": basis, "eval_s": eval_s, "feature_extract_s": tr.get("feature_extract_s"),
             "threads": command_option(manifest, "--threads"), "dtype": command_option(manifest, "--dtype"),
             "command": manifest.get("command"), "config": tr["config"], "points": points,
-            "fit": fit, "reach": reach}
+            "fit": fit, "reach": reach, "feature_cache": feature_cache(_features_dir(manifest, workdir))}
+
+
+def _features_dir(manifest: dict, workdir: Path | None) -> Path | None:
+    named = command_option(manifest, "--features")
+    if named:
+        return Path(named)
+    return workdir / "features" if workdir is not None else None
 
 
 def equal_tokens(curves: list[dict]) -> list[dict]:
@@ -158,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         label, sep, where = spec.partition("=")
         if not sep or not label or not where:
             raise SystemExit(f"data_scaling: --run must be LABEL=DIR, got {spec!r}")
-        runs.append((label, load_manifest(where)))
-    curves = [curve_of(label, m) for label, m in runs]
+        runs.append((label, load_manifest(where), Path(where) if Path(where).is_dir() else None))
+    curves = [curve_of(label, m, workdir) for label, m, workdir in runs]
     dtypes = {c["dtype"] for c in curves}
     out = Path(args.json)
     env = environment()  # the host the runs trained on: run this script where they ran

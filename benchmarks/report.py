@@ -33,6 +33,7 @@ HEADLINE_END = "<!-- headline:end -->"
 GROUPS: dict[str, str] = {
     "workloads": "Workloads where speculation pays: code editing, agents, long documents",
     "drafters": "Drafters and acceptance: retrieval against vanilla and Hugging Face peers",
+    "training": "Drafter training: the target's own data, and tau against training tokens",
     "graft": "Graft: grafting retrieval onto a feature drafter's tree",
     "specblock": "SpecBlock: block drafting with a rank head",
     "batching": "Continuous batching and the goodput rule",
@@ -56,6 +57,7 @@ GROUP_OF: dict[str, str] = {
     "foundation_specbench_bf16": "drafters",
     "foundation_specbench_fp32": "drafters",
     "retrieval_scaling": "drafters",
+    "data_scaling_eagle3_bf16": "training",
     "eagle3_graft_specbench_bf16": "graft",
     "graft_specbench_fp32": "graft",
     "graft_humaneval_fp32": "graft",
@@ -316,6 +318,22 @@ def _long_context(r: dict) -> str:
     return "; ".join(one(n) for n in names) + f" vanilla at {sizes}"
 
 
+def _data_scaling(r: dict) -> str:
+    eq = r.get("equal_tokens") or []
+    if not eq:
+        return "no common evaluation point"
+    last = eq[-1]
+    return f"{last['of']}: {_x(last['ratio'])} held-out tau at {last['tokens']:,} training tokens"
+
+
+def _data_scaling_tau(r: dict) -> str:
+    best = max(r["curves"], key=lambda c: c["points"][-1]["tau"] or 0.0)
+    reach = best["reach"].get("2.5")
+    extra = (f"; its fit reaches 2.5 at ≈ {reach['tokens'] / 1e6:,.0f}M tokens (≈ {reach['cpu_hours']:,.0f} CPU-h)"
+             if reach else "")
+    return f"{fmt(best['points'][-1]['tau'])} ({best['label']}, {best['tokens']:,} tokens){extra}"
+
+
 def _store_memory(r: dict) -> str:
     f, b = r["fill"], r["bounded"]
     return (f"{fmt(f['mib_per_million_tokens'], 0)} MiB per million stored tokens; a {b['capacity_tokens']}-token store "
@@ -345,6 +363,11 @@ CLAIMS: tuple[Claim, ...] = (
           "≥ 1.5× vanilla at 8K (#41)", _long_context, label="Long context (fp32)"),
     Claim("suffix_store_memory", "What does the cross-request suffix store cost in memory?",
           "bounded by its token capacity", _store_memory, label="Suffix store memory"),
+    Claim("data_scaling_eagle3_bf16", "Does the target's own data train a better drafter than ShareGPT's answers?",
+          "self-distilled ≥ 1.2× raw-data held-out tau at equal compute (#38)", _data_scaling,
+          label="Training data and scale (EAGLE-3)"),
+    Claim("data_scaling_eagle3_bf16", "How far is a held-out tau of 2.2 (EAGLE-3)?", "tau ≥ 2.2 held out (#38)",
+          _data_scaling_tau, label="Training data and scale (EAGLE-3)"),
     Claim("foundation_specbench_bf16", "Does the training-free retrieval drafter beat vanilla?",
           "faster than vanilla and HF prompt lookup", _foundation,
           "Retrieval drafter beats vanilla on Spec-Bench (bf16, {host})", label="Foundation (bf16)"),

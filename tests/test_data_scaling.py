@@ -8,6 +8,8 @@ import json
 import math
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from benchmarks import data_scaling
 from benchmarks.render import RENDERERS
@@ -34,6 +36,23 @@ def test_fit_recovers_the_law_and_solves_for_the_target_tokens():
     assert reach["tokens"] == pytest.approx(2 ** 23)  # 0.2 + 0.1 * 23 = 2.5
     assert reach["cpu_hours"] == pytest.approx(2 ** 23 / (8000 / 80.0) / 3600)
     assert c["threads"] == "1" and c["dtype"] == "bfloat16"
+
+
+def test_cpu_hours_leave_out_the_tau_evaluations_when_their_seconds_are_known(tmp_path):
+    m = _manifest([0, 1000, 2000, 4000, 8000], a=0.2, b=0.1, wall_s=80.0, source="sharegpt")
+    for p in m["tau_curve"]:
+        p["eval_s"] = 4.0  # five evaluations: 20 of the 80 wall seconds
+    c = data_scaling.curve_of("raw", m)
+    assert c["rate_basis"] == "training" and c["eval_s"] == 20.0
+    assert c["tokens_per_s"] == pytest.approx(8000 / 60.0) and c["tokens_per_s_end_to_end"] == pytest.approx(100.0)
+    assert c["reach"]["2.5"]["cpu_hours"] == pytest.approx(2 ** 23 / (8000 / 60.0) / 3600)
+    # a run that predates the field: its checkpoints hold each evaluation's seconds
+    del m["tau_curve"][2]["eval_s"]
+    assert data_scaling.curve_of("raw", m)["rate_basis"] == "end_to_end"
+    ck = tmp_path / "checkpoints" / "tokens_0000002000"
+    ck.mkdir(parents=True)
+    (ck / "manifest.json").write_text(json.dumps({"heldout": {"heldout.tau_eval_s": 4.0}}))
+    assert data_scaling.curve_of("raw", m, tmp_path)["eval_s"] == 20.0
 
 
 def test_a_curve_that_does_not_rise_never_reaches_a_target():
@@ -66,6 +85,11 @@ def test_main_writes_json_and_plot_that_the_report_renders(tmp_path):
         (tmp_path / label / "final").mkdir(parents=True)
         (tmp_path / label / "final" / "manifest.json").write_text(
             json.dumps(_manifest([0, 1000, 2000, 4000], 1.0, b, 40.0, label)))
+    feats = tmp_path / "raw" / "features"
+    feats.mkdir()
+    (feats / "meta.json").write_text("{}")
+    save_file({"input_ids": torch.zeros(100, dtype=torch.int32), "aux": torch.zeros(100, 12, dtype=torch.bfloat16)},
+              str(feats / "shard_00000.safetensors"))
     out = tmp_path / "res" / "data_scaling_eagle3_bf16.json"
     assert data_scaling.main(["--run", f"raw={tmp_path / 'raw'}", "--run", f"distilled={tmp_path / 'distilled'}",
                               "--json", str(out)]) == 0
@@ -73,6 +97,10 @@ def test_main_writes_json_and_plot_that_the_report_renders(tmp_path):
     assert res["kind"] == "data_scaling" and res["dtype"] == "bfloat16" and res["model"] == "smollm2-135m"
     assert [c["label"] for c in res["curves"]] == ["raw", "distilled"]
     assert (tmp_path / "res" / "data_scaling_eagle3_bf16_tau.png").stat().st_size > 1000
+    cache = res["curves"][0]["feature_cache"]
+    size = (feats / "shard_00000.safetensors").stat().st_size
+    assert cache["tokens"] == 100 and cache["bytes"] == size and cache["bytes_per_million_tokens"] == size * 1e4
+    assert res["curves"][1]["feature_cache"] is None  # the distilled run's cache is gone
     lines = RENDERERS["data_scaling"](res)
     table = "\n".join(lines)
     assert "| raw | `raw` | 4.0K |" in table and "| distilled | `distilled` | 4.0K |" in table

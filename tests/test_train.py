@@ -150,6 +150,15 @@ def test_training_lowers_loss_raises_acceptance_and_resumes(tmp_path):
     # features were cached once and reused by the resumed run
     cache = FeatureCache(tmp_path / "run" / "features")
     assert cache.has(0) and cache.has("heldout")
+    shards = m2["training"]["feature_shards"]
+    assert shards["extracted"] == 4 and shards["reused"] > 0  # 44 training samples / shard_size 12; later epochs reuse
+    assert m2["training"]["feature_extract_s"] > 0
+    # a run of another workdir on the same cache extracts nothing: its wall is the drafter's alone
+    third = Trainer(_cfg(max_tokens=800), FAMILY, target, data, tmp_path / "other", "tiny", progress=False,
+                    features_dir=tmp_path / "run" / "features")
+    m3 = third.run()
+    assert m3["training"]["feature_shards"]["extracted"] == 0 and m3["training"]["feature_shards"]["reused"] >= 1
+    assert m3["training"]["feature_extract_s"] == 0.0
 
 
 def test_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):

@@ -32,9 +32,10 @@ def render_data_scaling(res: dict) -> list[str]:
              f"depth {tree.get('depth', '?')}, top-k {tree.get('top_k', '?')}), prompts the runs never trained on "
              "and not in Spec-Bench. Equal training tokens are equal compute: the same network, loss, batch plan and "
              "schedule per token; only the answers differ.", "",
-             "| run | data | tokens trained | wall min | tokens/s end to end | final tau | fit: tau per doubling | "
+             "| run | data | tokens trained | wall min | of it tau evals, min | tokens/s training (end to end) | final tau | "
+             "fit: tau per doubling | "
              f"to tau {res['tau_targets'][0]} | to tau {res['tau_targets'][1]} |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in curves:
         last = next((p["tau"] for p in reversed(c["points"]) if p["tau"] is not None), None)
         f = c.get("fit")
@@ -42,12 +43,22 @@ def render_data_scaling(res: dict) -> list[str]:
                f"{_tokens(f['fitted_tokens'][0])}–{_tokens(f['fitted_tokens'][1])}, rmse {fmt(f['rmse'], 3)})"
                if f else "–")
         reach = c.get("reach", {})
+        rate = (f"{fmt(c['tokens_per_s'], 0)} ({fmt(c.get('tokens_per_s_end_to_end'), 0)})"
+                if c.get("rate_basis") == "training" else f"– ({fmt(c['tokens_per_s'], 0)})")
+        evals = c.get("eval_s")
         lines.append(f"| {c['label']} | `{c['data']}` | {_tokens(c['tokens'])} | {fmt(c['wall_s'] / 60, 1)} | "
-                     f"{fmt(c['tokens_per_s'], 0)} | {fmt(last)} | {fit} | {_reach(reach.get(str(res['tau_targets'][0])))} | "
+                     f"{fmt(evals / 60 if evals is not None else None, 1)} | {rate} | {fmt(last)} | {fit} | {_reach(reach.get(str(res['tau_targets'][0])))} | "
                      f"{_reach(reach.get(str(res['tau_targets'][1])))} |")
-    lines += ["", "CPU-hours at each run's own end-to-end rate (1 core per run, feature extraction and evaluations "
-              "included), extrapolated from a log-linear fit far beyond its points: an order of magnitude, not a "
-              "forecast.", "",
+    lines += ["", "CPU-hours at each run's own training rate (1 core per run; the target's feature extraction "
+              "included, the tau evaluations not; the end-to-end rate where the evaluation times are unknown), "
+              "extrapolated from a log-linear fit far beyond its points: an order of magnitude, not a forecast.", ""]
+    for c in curves:
+        fc = c.get("feature_cache")
+        if fc and fc.get("bytes_per_million_tokens"):
+            lines.append(f"- {c['label']}: feature cache `{fc['dir']}` holds {_tokens(fc['tokens'])} tokens in "
+                         f"{fmt(fc['bytes'] / 2 ** 20, 0)} MiB, **{fmt(fc['bytes_per_million_tokens'] / 2 ** 30, 2)} GiB per "
+                         "million tokens** (bf16 aux features, target top-k logits, ids, loss mask).")
+    lines += ["",
               "| run | tokens | tau | accepting ≥ 1 | ≥ 2 | ≥ 3 | ≥ 4 | wall min so far |", "|---|---|---|---|---|---|---|---|"]
     for c in curves:
         for p in c["points"]:
