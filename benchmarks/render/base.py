@@ -82,6 +82,7 @@ SECTIONS: dict[str, str] = {
     "long_context_fp32": "Long context: c(T, L) to 8K and the longdoc workloads (fp32)",
     "suffix_store_memory": "Cross-request suffix store: memory per million tokens",
     "data_scaling_eagle3_bf16": "EAGLE-3 trained on ShareGPT's answers against the target's own (self-distilled), at equal training tokens (bf16)",
+    "data_scaling_specblock_bf16": "SpecBlock trained on ShareGPT's answers against the target's own (self-distilled), at equal training tokens (bf16)",
     "foundation_specbench_bf16": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (bf16)",
     "foundation_specbench_fp32": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (fp32)",
     "eagle3_graft_specbench_bf16": "EAGLE-3 tree budgets and the Graft ablation (bf16)",

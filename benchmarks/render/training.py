@@ -20,6 +20,12 @@ def _reach(r: dict | None) -> str:
     return f"{_tokens(r['tokens'])} tokens ≈ {fmt(r['cpu_hours'], 0)} CPU-h"
 
 
+def _tree(tree: dict) -> str:
+    """The evaluation tree in its own knobs: every key but the total, in the order recorded."""
+    knobs = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in tree.items() if k != "total_tokens")
+    return f"{tree.get('total_tokens', '?')} tokens" + (f", {knobs}" if knobs else "")
+
+
 @renderer("data_scaling")
 def render_data_scaling(res: dict) -> list[str]:
     """One row per training run, its curve point by point, and tau at equal training tokens."""
@@ -28,8 +34,7 @@ def render_data_scaling(res: dict) -> list[str]:
     tree = ev.get("eval_tree") or {}
     lines = [f"Family **{res['family']}**, target **{res['model']}**, dtype **{res['dtype']}**. Every point is real "
              f"greedy speculative decoding of {ev.get('eval_prompts', '?')} held-out ShareGPT prompts "
-             f"({ev.get('eval_max_new_tokens', '?')} new tokens each; tree {tree.get('total_tokens', '?')} tokens, "
-             f"depth {tree.get('depth', '?')}, top-k {tree.get('top_k', '?')}), prompts the runs never trained on "
+             f"({ev.get('eval_max_new_tokens', '?')} new tokens each; tree {_tree(tree)}), prompts the runs never trained on "
              "and not in Spec-Bench. Equal training tokens are equal compute: the same network, loss, batch plan and "
              "schedule per token; only the answers differ.", "",
              "| run | data | tokens trained | wall min | of it tau evals, min | tokens/s training (end to end) | final tau | "
