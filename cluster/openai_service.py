@@ -461,7 +461,8 @@ class OpenAIService:
         if isinstance(exc, AdmissionError):
             return bad_request(str(exc), param="max_tokens", code="context_length_exceeded")
         if isinstance(exc, QueueFullError):
-            return APIError(503, str(exc), ErrorType.OVERLOADED, code="queue_full")
+            return APIError(429, str(exc), ErrorType.RATE_LIMIT, code="queue_full",
+                            headers={"Retry-After": str(self.config.retry_after_s)})
         if isinstance(exc, ShutdownAbort):
             return APIError(503, str(exc), ErrorType.OVERLOADED, code="shutting_down")
         if isinstance(exc, EngineFailure):
@@ -566,6 +567,7 @@ def batch_config(config: ServeConfig) -> BatchConfig:
     slot for the longest prompt + ``max_tokens`` + one tree."""
     opts = dict(config.batch)
     opts["max_sequences"] = config.max_sequences
+    opts["max_waiting"] = config.max_waiting
     if "max_tokens_per_sequence" not in opts:
         tree = opts.get("max_tree_tokens", BatchConfig.max_tree_tokens)
         opts["max_tokens_per_sequence"] = config.max_prompt_tokens + config.max_tokens + int(tree)

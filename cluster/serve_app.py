@@ -40,7 +40,7 @@ async def _http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSON
 
 
 def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
 async def _run_endpoint(service: OpenAIService, request: HTTPRequest,
@@ -93,7 +93,13 @@ class GraftblockServer:
         return JSONResponse(body, status_code=status)
 
     @api.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: HTTPRequest) -> Response:
+        """Prometheus text; with ``api_key`` set it needs the same bearer key as ``/v1`` (scrapers send
+        it with ``authorization: {credentials: ...}``). ``/health`` stays open for probes."""
+        try:
+            self.service.authorize(request.headers.get("authorization"))
+        except APIError as exc:
+            return _error_response(exc)
         return Response(self.service.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def check_health(self) -> None:

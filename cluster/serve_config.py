@@ -31,10 +31,24 @@ def _int(name: str, value: Any, lo: int, hi: int) -> None:
         raise ConfigError(f"serve.{name} must be an integer in [{lo}, {hi}], got {value!r}")
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address or ``localhost``) is reachable only from this machine."""
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
 def _seconds(name: str, value: Any, hi: float = 86400.0) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)) \
             or not 0 < value <= hi:
         raise ConfigError(f"serve.{name} must be a number of seconds in (0, {hi}], got {value!r}")
+
+
+class ProxyLocation(str, enum.Enum):
+    """Where Ray Serve runs HTTP proxies (its ``proxy_location``)."""
+
+    HEAD_ONLY = "HeadOnly"
+    """One proxy, on the head node: one entry point (``host:port`` of the head)."""
+    EVERY_NODE = "EveryNode"
+    """A proxy on every node, each binding ``host:port`` (one node per machine only)."""
 
 
 class DrafterPlacement(str, enum.Enum):
@@ -224,6 +238,9 @@ class ServeConfig:
     """Address the HTTP proxy binds; loopback unless you mean to expose the server."""
     port: int = 8000
     """HTTP port. Range [1, 65535]."""
+    proxy_location: ProxyLocation = ProxyLocation.HEAD_ONLY
+    """``HeadOnly`` (one entry point on the head; replicas on any node) or ``EveryNode`` (a proxy per
+    node, each binding ``port``: not for several nodes on one machine). :class:`ProxyLocation`."""
     api_key: str | None = None
     """If set, every /v1 request needs ``Authorization: Bearer <api_key>`` (401 otherwise)."""
     max_prompt_tokens: int = 2048
@@ -234,6 +251,11 @@ class ServeConfig:
     """``max_tokens`` of a request that sets none. Range [1, max_tokens]."""
     max_sequences: int = 8
     """Sequences decoded together in one batch per replica (more wait in the queue). Range [1, 1024]."""
+    max_waiting: int = 32
+    """Requests a replica holds waiting for a free sequence; past it a request is refused at once with
+    HTTP 429 and a ``Retry-After`` header instead of waiting. Range [0, 100000]."""
+    retry_after_s: int = 1
+    """``Retry-After`` seconds of a 429 (the admission queue is full). Range [1, 3600]."""
     batch: dict[str, Any] = field(default_factory=dict)
     """Further ``speculation.config.BatchConfig`` options (validated by it), e.g. a KV token budget."""
     request_timeout_s: float = 300.0
@@ -309,16 +331,27 @@ class ServeConfig:
             if self.host != "localhost":
                 raise ConfigError(f"serve.host must be an IP address or localhost, got {self.host!r}") from None
         _int("port", self.port, 1, 65535)
+        try:
+            object.__setattr__(self, "proxy_location", ProxyLocation(self.proxy_location))
+        except ValueError:
+            raise ConfigError(f"serve.proxy_location must be one of {[p.value for p in ProxyLocation]}, "
+                              f"got {self.proxy_location!r}") from None
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ConfigError("serve.api_key must be a non-empty string or null")
+        if self.api_key is None and not _is_loopback(self.host):
+            raise ConfigError(f"serve.host {self.host!r} is reachable from other machines, so serve.api_key is "
+                              "required: set one, or bind 127.0.0.1")
         _int("max_prompt_tokens", self.max_prompt_tokens, 1, 1 << 20)
         _int("max_tokens", self.max_tokens, 1, 65536)
         _int("default_max_tokens", self.default_max_tokens, 1, self.max_tokens)
         _int("max_sequences", self.max_sequences, 1, 1024)
         if not isinstance(self.batch, Mapping):
             raise ConfigError(f"serve.batch must be a mapping of BatchConfig options, got {self.batch!r}")
-        if "max_sequences" in self.batch:
-            raise ConfigError("serve.batch.max_sequences: set serve.max_sequences instead")
+        for own in ("max_sequences", "max_waiting"):
+            if own in self.batch:
+                raise ConfigError(f"serve.batch.{own}: set serve.{own} instead")
+        _int("max_waiting", self.max_waiting, 0, 100000)
+        _int("retry_after_s", self.retry_after_s, 1, 3600)
         _seconds("request_timeout_s", self.request_timeout_s)
         _seconds("stall_timeout_s", self.stall_timeout_s)
         _seconds("drain_timeout_s", self.drain_timeout_s, 3600.0)
@@ -327,6 +360,11 @@ class ServeConfig:
             _int("torch_threads", self.torch_threads, 1, 256)
         _int("num_replicas", self.num_replicas, 1, 1024)
         _int("max_ongoing_requests", self.max_ongoing_requests, 1, 100000)
+        if self.max_ongoing_requests < self.max_sequences + self.max_waiting:
+            raise ConfigError(f"serve.max_ongoing_requests ({self.max_ongoing_requests}) must be at least "
+                              f"serve.max_sequences + serve.max_waiting ({self.max_sequences + self.max_waiting}): "
+                              "Ray Serve must route every request a replica could admit, so that the rest get "
+                              "a 429 from the replica instead of waiting unbounded in the proxy")
         try:
             object.__setattr__(self, "drafter_placement", DrafterPlacement(self.drafter_placement))
         except ValueError:

@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        serve.start(proxy_location=cfg.proxy_location.value, http_options={"host": cfg.host, "port": cfg.port})
         serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
         print(f"graftblock serve: {cfg.model_name} ({cfg.method}, {cfg.dtype.value}) on "
               f"http://{cfg.host}:{cfg.port}/v1 ready", flush=True)

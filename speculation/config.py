@@ -790,7 +790,8 @@ class BatchConfig:
     4 of 8 with a median of 0.96x at N = 4, where it kept out drafting that paid
     (``benchmarks/results/payoff_veto_bf16.json``)."""
     max_waiting: int = 4096
-    """Requests queued for a slot at once; ``add`` refuses more. Range [0, 1048576]."""
+    """Requests queued for a slot beyond the free ones (a request that a free slot will take at the
+    next step does not count); ``add`` refuses more. Range [0, 1048576]."""
     fold_prefills: bool = True
     """Prefill arriving requests inside the step's batched forward (one more causal row of the
     flat pass) where the target supports it (``TargetModel.folds_prefills``: the FLAT layout),

@@ -24,6 +24,7 @@ SLOW_FIXTURES = frozenset({
     "smollm2",  # tests/test_assets.py: the same weights
     "ray_local",  # a local Ray cluster
     "tiny_model_dir",  # a saved model that whole commands (adapt-bench, serve, shard actors) load and run
+    "local_cluster",  # a multi-node Ray cluster started with `ray start` (tests/test_multinode_*.py)
     "serve_subprocess",  # a `graftblock serve` process: Ray Serve in a child the fast-tier guard cannot see
 })
 """A test that uses one of these (directly or through another fixture) is marked ``slow``."""

@@ -509,12 +509,14 @@ def test_admission_errors_are_clear():
     engine.add(Request("x", [1, 2], 4))
     with pytest.raises(ValueError, match="already queued"):
         engine.add(Request("x", [3], 4))
-    engine.add(Request("y", [1, 2], 4))
-    with pytest.raises(QueueFullError, match="max_waiting=2"):
-        engine.add(Request("z", [1, 2], 4))
-    # nothing was lost: both queued requests run to the end, exactly as solo
+    for rid in ("y", "z", "w"):  # x and y are bound for the 2 free slots; z and w wait
+        engine.add(Request(rid, [1, 2], 4))
+    with pytest.raises(QueueFullError, match="max_waiting=2 requests already wait for one of batch.max_sequences=2"):
+        engine.add(Request("v", [1, 2], 4))
+    # nothing was lost: the queued requests run to the end, exactly as solo
     res = engine.run([])
-    assert res["x"].tokens == _solo_vanilla(target, [1, 2], 4) == res["y"].tokens
+    assert sorted(res) == ["w", "x", "y", "z"]
+    assert all(r.tokens == _solo_vanilla(target, [1, 2], 4) for r in res.values())
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ import pytest
 import torch
 import yaml
 
-from speculation.config import EngineConfig, SamplingConfig
+from speculation.config import BatchConfig, EngineConfig, SamplingConfig
 from speculation.engine.solo import generate_speculative, generate_vanilla
 from tests.helpers import single_thread, tiny_llama
 from tests.ray_fixtures import RAY_TEST_ENV
@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 VOCAB = 64
 MODEL_NAME = "tiny"
 API_KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_PROMPT = 64
 MAX_TOKENS = 1500
 CHAT_TEMPLATE = (
@@ -183,6 +184,9 @@ def test_models_health_and_auth(server, client):
     r = requests.post(server.base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "t9"}, timeout=30)
     assert r.status_code == 401
     assert r.json()["error"]["type"] == "authentication_error"
+    m = requests.get(server.base + "/metrics", timeout=30)  # metrics are not exposed without the key
+    assert m.status_code == 401 and m.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(server.base + "/metrics", headers=AUTH, timeout=30).status_code == 200
 
 
 def test_completions_equal_single_process_twin(server, client, twin):
@@ -324,7 +328,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 def test_client_disconnect_frees_its_sequence(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    before = requests.get(server.base + "/metrics", timeout=30).text
+    before = requests.get(server.base + "/metrics", headers=AUTH, timeout=30).text
     body = {"model": MODEL_NAME, "prompt": prompt_ids(4), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     with requests.post(server.base + "/v1/completions", json=body, headers=headers, stream=True, timeout=30) as r:
         assert r.status_code == 200
@@ -339,7 +343,7 @@ def test_client_disconnect_frees_its_sequence(server):
             break
         time.sleep(0.2)
     assert h["live_requests"] == 0
-    after = requests.get(server.base + "/metrics", timeout=30).text
+    after = requests.get(server.base + "/metrics", headers=AUTH, timeout=30).text
     made = _metric(after, "graftblock_generation_tokens_total", method="retrieval") - \
         _metric(before, "graftblock_generation_tokens_total", method="retrieval")
     assert 0 < made < MAX_TOKENS  # it stopped early: the abort, not the length limit
@@ -348,7 +352,7 @@ def test_client_disconnect_frees_its_sequence(server):
 
 def test_metrics_endpoint(server, client):
     client.completions.create(model=MODEL_NAME, prompt=prompt_ids(5), max_tokens=8, temperature=0)
-    text = requests.get(server.base + "/metrics", timeout=30).text
+    text = requests.get(server.base + "/metrics", headers=AUTH, timeout=30).text
     assert _metric(text, "graftblock_requests_total", endpoint="completions", outcome="length") >= 1
     assert _metric(text, "graftblock_time_to_first_token_seconds_count") >= 1
     assert _metric(text, "graftblock_inter_token_latency_seconds_count") >= 1
@@ -418,18 +422,17 @@ class _SlowDrafter:
         pass
 
 
-def _service(delay_s: float, release: threading.Event, **cfg):
+def _service(delay_s: float, release: threading.Event, batch: BatchConfig | None = None, **cfg):
     from cluster.openai_service import OpenAIService
     from cluster.serve_config import ServeConfig
-    from speculation.config import BatchConfig
     from speculation.engine.batch import BatchEngine
     from speculation.model.target import TargetModel
 
     target = TargetModel(tiny_llama(vocab_size=VOCAB, max_position_embeddings=2048), word_tokenizer())
     config = ServeConfig(model="tiny", method="slow", max_prompt_tokens=64, max_tokens=256, mlflow=False, **cfg)
+    batch = batch or BatchConfig(max_sequences=2, max_tokens_per_sequence=512)
     return OpenAIService(config, target.tokenizer, target.vocab_size, target.eos_token_ids,
-                         lambda: BatchEngine(target, lambda: _SlowDrafter(delay_s, release),
-                                             BatchConfig(max_sequences=2, max_tokens_per_sequence=512)),
+                         lambda: BatchEngine(target, lambda: _SlowDrafter(delay_s, release), batch),
                          "slow", target.check_fits)
 
 
@@ -463,6 +466,49 @@ def test_slow_engine_times_out_with_a_clear_error_and_frees_the_slot():
     finally:
         release.set()
         assert service.shutdown()
+
+
+def test_full_admission_queue_gets_429_with_retry_after_and_the_running_request_is_untouched():
+    """Past ``max_sequences`` live + ``max_waiting`` queued, a request is refused at once with 429
+    and ``Retry-After`` (the HTTP layer sends the header), and the one already running completes."""
+    from cluster.serve_app import _error_response
+
+    release = threading.Event()
+    service = _service(0.05, release, batch=BatchConfig(max_sequences=1, max_waiting=0, max_tokens_per_sequence=512),
+                       max_sequences=1, max_waiting=0, retry_after_s=7, request_timeout_s=60.0)
+    try:
+        with single_thread():
+            first: dict = {}
+            runner = threading.Thread(target=lambda: first.update(r=_complete(service, 30)))
+            runner.start()
+            deadline = time.monotonic() + 10
+            while service.engine.live == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert service.engine.live == 1, first
+            exc, took = _complete(service, 5)
+            assert exc is not None and exc.status == 429 and exc.code == "queue_full", exc
+            assert "max_waiting=0" in exc.message and took < 1.0
+            resp = _error_response(exc)
+            assert resp.status_code == 429 and resp.headers["retry-after"] == "7"
+            assert json.loads(resp.body)["error"]["type"] == "rate_limit_error"
+            runner.join(30)
+        assert first["r"][0] is None  # the running request was not disturbed
+    finally:
+        release.set()
+        assert service.shutdown()
+
+
+def test_admission_queue_config_is_validated():
+    from cluster.serve_config import ConfigError, ServeConfig
+
+    for kwargs, needle in (({"max_waiting": -1}, "serve.max_waiting must be"),
+                           ({"retry_after_s": 0}, "serve.retry_after_s must be"),
+                           ({"batch": {"max_waiting": 3}}, "serve.batch.max_waiting: set serve.max_waiting"),
+                           ({"max_sequences": 8, "max_waiting": 60, "max_ongoing_requests": 64},
+                            "serve.max_ongoing_requests (64) must be at least serve.max_sequences + serve.max_waiting (68)")):
+        with pytest.raises(ConfigError) as e:
+            ServeConfig(model="tiny", mlflow=False, **kwargs)
+        assert needle in str(e.value), (kwargs, str(e.value))
 
 
 def test_stalled_engine_fails_requests_and_reports_unhealthy():

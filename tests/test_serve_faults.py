@@ -34,7 +34,7 @@ from speculation.config import EngineConfig, SamplingConfig
 from speculation.engine.solo import generate_vanilla
 from tests.helpers import single_thread
 from tests.ray_fixtures import RAY_TEST_ENV
-from tests.test_serve import API_KEY, MODEL_NAME, Server, prompt_ids, words
+from tests.test_serve import API_KEY, AUTH, MODEL_NAME, Server, prompt_ids, words
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_PREFIX = "graftblock-drafter-worker-"
@@ -258,7 +258,7 @@ def test_killed_worker_requests_complete_exactly_and_speculation_resumes(env, cl
     assert stats["accepted_tokens"] > 0  # speculation resumed
     h = _health(srv)["drafter_worker"]
     assert h["state"] == "up" and h["restarts"] >= 1 and h["fallback_steps"] >= 1
-    metrics = requests.get(srv.base + "/metrics", timeout=30).text
+    metrics = requests.get(srv.base + "/metrics", headers=AUTH, timeout=30).text
     assert 'graftblock_drafter_worker_events_total{event="restart"}' in metrics
     assert 'graftblock_drafter_worker_events_total{event="fallback_step"}' in metrics
 
@@ -278,7 +278,7 @@ def test_hung_worker_becomes_fallback_not_a_hung_request(env, client):
     after = _health(srv)["drafter_worker"]
     assert after["timeouts"] > before["timeouts"]
     assert 'graftblock_drafter_worker_events_total{event="timeout"}' in \
-        requests.get(srv.base + "/metrics", timeout=30).text
+        requests.get(srv.base + "/metrics", headers=AUTH, timeout=30).text
 
 
 def test_drafter_placement_config_is_validated():

@@ -204,7 +204,7 @@ class BatchEngine:
         Raises:
             ValueError: its id is already queued or live, or a prompt id is outside the vocabulary.
             AdmissionError: it can never fit (slot size or the model's context).
-            QueueFullError: ``max_waiting`` requests already wait.
+            QueueFullError: every slot is taken or promised and ``max_waiting`` more requests wait.
         """
         rid = request.request_id
         if rid in self._live or any(r.request_id == rid for r in self._waiting):
@@ -225,9 +225,12 @@ class BatchEngine:
             self.target.check_fits(len(request.prompt_ids), request.max_new_tokens)
         except ContextLengthError as e:
             raise AdmissionError(f"request {rid!r} can never fit: {e}") from e
-        if len(self._waiting) >= self.config.max_waiting:
+        # a request bound for a free slot does not wait: the queue holds max_waiting beyond the free slots
+        free = max(0, self.config.max_sequences - len(self._live) - len(self._prefilling))
+        if len(self._waiting) >= self.config.max_waiting + free:
             raise QueueFullError(
-                f"request {rid!r} refused: batch.max_waiting={self.config.max_waiting} requests already wait"
+                f"request {rid!r} refused: batch.max_waiting={self.config.max_waiting} requests already wait "
+                f"for one of batch.max_sequences={self.config.max_sequences} slots"
             )
         self._waiting.append(request)
 
