@@ -82,12 +82,14 @@ class LocalClusterConfig:
             raise ValueError(f"LocalClusterConfig.start_timeout_s must be in (0, 3600], got {self.start_timeout_s!r}")
 
 
-def _env() -> dict[str, str]:
-    """The ``ray start`` environment. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` is Ray's switch for
-    multi-node clusters as a whole (it defaults to on except on Windows/macOS); the CI environment
-    sets it to 0, which makes ``ray start --address`` refuse on Linux too, so it is on here."""
+def _env(bin_dir: Path) -> dict[str, str]:
+    """The ``ray start`` environment. ``bin_dir`` (the venv's) leads ``PATH``, so a submitted job's
+    ``python`` is the venv's. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` is Ray's switch for multi-node
+    clusters as a whole (it defaults to on except on Windows/macOS); the CI environment sets it to
+    0, which makes ``ray start --address`` refuse on Linux too, so it is on here."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
     return env
 
@@ -192,7 +194,7 @@ class LocalCluster:
                "--temp-dir", self.temp_dir, "--disable-usage-stats"]
         log = self.root / f"{name}.log"
         with open(log, "ab") as out:
-            proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, env=_env(self.config.ray_bin.parent), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.state["nodes"][name] = {"pid": proc.pid, "cpus": cpus, "index": index, "log": str(log),
                                      "resource": node_resource(name)}
         self._save()
@@ -201,7 +203,7 @@ class LocalCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"ray start for node {name!r} exited {proc.returncode}:\n"
                                    f"{log.read_text(errors='replace')[-3000:]}")
-            if name == HEAD or self._alive_nodes().get(name):
+            if name == HEAD or self.alive_nodes().get(name):
                 return
             time.sleep(0.5)
         raise RuntimeError(f"node {name!r} did not register in {self.config.start_timeout_s:g} s; see {log}")
@@ -218,8 +220,8 @@ class LocalCluster:
                 time.sleep(1)
         raise RuntimeError(f"the head's job server did not answer in {self.config.start_timeout_s:g} s")
 
-    def _alive_nodes(self) -> dict[str, bool]:
-        """``{node name: alive}`` from the head's state API (nodes without our label are left out)."""
+    def alive_nodes(self) -> dict[str, bool]:
+        """``{node name: alive}`` as the head's state API sees them (nodes without our label are left out)."""
         try:
             with urllib.request.urlopen(f"{self.dashboard_url}/api/v0/nodes?limit=100&detail=true",
                                         timeout=5) as r:
@@ -233,10 +235,6 @@ class LocalCluster:
                 out[name] = out.get(name, False) or row.get("state") == "ALIVE"
         return out
 
-    def alive_nodes(self) -> dict[str, bool]:
-        """``{node name: alive}`` as the head sees it."""
-        return self._alive_nodes()
-
     # ------------------------------------------------------------------ damage and stop
     def kill_raylet(self, name: str) -> int:
         """SIGKILL node ``name``'s raylet by its PID (its ``ray start`` then takes the node's other
@@ -245,7 +243,7 @@ class LocalCluster:
         os.kill(pid, signal.SIGKILL)
         return pid
 
-    def _leftovers(self) -> list[int]:
+    def leftovers(self) -> list[int]:
         """PIDs of processes still running from this cluster's temp dir (workers, agents)."""
         if not self.state.get("temp_dir"):
             return []
@@ -261,7 +259,8 @@ class LocalCluster:
     def stop_node(self, name: str) -> None:
         """Stop node ``name``: its process group, then anything left of its process tree."""
         try:
-            tree = [psutil.Process(self.root_pid(name)), *psutil.Process(self.root_pid(name)).children(recursive=True)]
+            leader = psutil.Process(self.root_pid(name))
+            tree = [leader, *leader.children(recursive=True)]
         except psutil.NoSuchProcess:
             tree = []
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -285,15 +284,15 @@ class LocalCluster:
         for name in reversed(self.node_names()):
             self.stop_node(name)
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in self._leftovers():
+            for pid in self.leftovers():
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + 10
-            while self._leftovers() and time.monotonic() < deadline:
+            while self.leftovers() and time.monotonic() < deadline:
                 time.sleep(0.5)
-        left = self._leftovers()
+        left = self.leftovers()
         if not left:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             (self.root / STATE_FILE).unlink(missing_ok=True)

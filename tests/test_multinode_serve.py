@@ -17,7 +17,7 @@ import pytest
 from ray.util.state import list_actors, list_nodes
 
 from cluster.local_cluster import HEAD, LABEL_KEY, LocalCluster, LocalClusterConfig
-from tests.test_serve import API_KEY, MODEL_NAME, Server, greedy, prompt_ids, words
+from tests.test_serve import API_KEY, MODEL_NAME, Server, greedy, prompt_ids, twin, words  # noqa: F401 (twin: fixture over this module's server)
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +46,6 @@ def server(local_cluster, tmp_path_factory, serve_subprocess):
         yield srv
     finally:
         srv.stop()
-
-
-@pytest.fixture(scope="module")
-def twin(server):
-    from speculation import assets
-    from speculation.model.target import TargetModel
-    import torch
-
-    model, tok = assets.load_model_and_tokenizer(str(server.model_dir), torch.float32)
-    return TargetModel(model, tok)
 
 
 def _replica_nodes(cluster: LocalCluster) -> list[str]:

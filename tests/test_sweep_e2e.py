@@ -1,10 +1,10 @@
 """End to end: a real Ray head, ``ray job submit`` of the smoke sweep, MLflow/Optuna checks,
 ``graftblock compare``, and a killed-then-resubmitted sweep (marked ``slow``; ~3 min on 2 CPUs).
 
-The head is started here (``ray start --head --block`` in its own process group, loopback,
-free ports, a dedicated ``--temp-dir``) and stopped by signalling that process group and any
-process still running from that temp dir; ``ray stop`` is never used (it would stop every Ray
-cluster on the machine).
+The head is ``cluster.local_cluster`` with no worker node (``ray start --head --block`` in its own
+process group, loopback, free ports, a dedicated ``--temp-dir``), stopped by signalling that
+process group and any process still running from that temp dir; ``ray stop`` is never used (it
+would stop every Ray cluster on the machine).
 """
 
 from __future__ import annotations
@@ -12,30 +12,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from cluster.local_cluster import LocalCluster, LocalClusterConfig
 from tests.ray_fixtures import RAY_TEST_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -49,120 +39,33 @@ def _env() -> dict[str, str]:
     return env
 
 
-class RayHead:
-    """A ``ray start --head --block`` process group on loopback, stopped by PID."""
-
-    def __init__(self) -> None:
-        self.temp_dir = tempfile.mkdtemp(prefix="gbray", dir="/tmp")
-        self.gcs_port, self.dash_port = _free_port(), _free_port()
-        cmd = [
-            str(VENV_BIN / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address",
-            "127.0.0.1",
-            "--port",
-            str(self.gcs_port),
-            "--num-cpus",
-            "2",
-            "--include-dashboard",
-            "true",
-            "--dashboard-host",
-            "127.0.0.1",
-            "--dashboard-port",
-            str(self.dash_port),
-            "--ray-client-server-port",
-            str(_free_port()),
-            "--dashboard-agent-listen-port",
-            str(_free_port()),
-            "--runtime-env-agent-port",
-            str(_free_port()),
-            "--temp-dir",
-            self.temp_dir,
-            "--disable-usage-stats",
-        ]
-        self.log = open(Path(self.temp_dir) / "head.log", "w")
-        self.proc = subprocess.Popen(
-            cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
-        )
-        self.address = f"http://127.0.0.1:{self.dash_port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"ray start exited: {(Path(self.temp_dir) / 'head.log').read_text()[-3000:]}"
-                )
-            try:
-                urllib.request.urlopen(f"{self.address}/api/version", timeout=2)
-                return
-            except OSError:
-                time.sleep(1)
-        self.stop()
-        raise RuntimeError("the Ray head's job server did not come up in 90 s")
-
-    def _leftovers(self) -> list[int]:
-        """PIDs of processes still running from this head's temp dir (workers, agents)."""
-        pids = []
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit() or int(d.name) == os.getpid():
-                continue
-            try:
-                cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if self.temp_dir in cmdline:
-                pids.append(int(d.name))
-        return pids
-
-    def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            for pid in self._leftovers():
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                continue
-            deadline = time.monotonic() + 10
-            while self._leftovers() and time.monotonic() < deadline:
-                time.sleep(0.5)
-            if not self._leftovers():
-                break
-        self.log.close()
-        if not self._leftovers():
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
-def head():
-    h = RayHead()
+def head(tmp_path_factory):
+    """A one-node cluster (``cluster.local_cluster``, as ``make cluster-local`` starts it): a
+    ``ray start --head --block`` process group on loopback with the job server, stopped by PID."""
+    h = LocalCluster(LocalClusterConfig(root=tmp_path_factory.mktemp("head"), head_cpus=2, worker_cpus=(),
+                                        ray_bin=VENV_BIN / "ray"))
+    h.start()
     try:
         yield h
     finally:
-        h.stop()
-        assert not h._leftovers(), "Ray processes of the test head are still running"
+        left = h.stop()
+        assert not left, f"Ray processes of the test head are still running: {left}"
 
 
-def _ray(head: RayHead, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _ray(head: LocalCluster, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(VENV_BIN / "ray"), *args], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
 
-def _submit(head: RayHead, config: Path, root: Path, sid: str) -> None:
+def _submit(head: LocalCluster, config: Path, root: Path, sid: str) -> None:
     out = _ray(
         head,
         "job",
         "submit",
         "--address",
-        head.address,
+        head.dashboard_url,
         "--submission-id",
         sid,
         "--no-wait",
@@ -189,13 +92,13 @@ def _head_commit() -> str:
     ).stdout.strip()
 
 
-def _client(head: RayHead):
+def _client(head: LocalCluster):
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(head.address)
+    return JobSubmissionClient(head.dashboard_url)
 
 
-def _wait(head: RayHead, sid: str, timeout: float = 600) -> str:
+def _wait(head: LocalCluster, sid: str, timeout: float = 600) -> str:
     from ray.job_submission import JobStatus
 
     client = _client(head)
@@ -360,7 +263,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(head, tmp_path)
         time.sleep(0.5)
     else:
         pytest.fail("the first sweep job never had a finished and a running trial")
-    stop = _ray(head, "job", "stop", "--address", head.address, sid, timeout=120)
+    stop = _ray(head, "job", "stop", "--address", head.dashboard_url, sid, timeout=120)
     assert stop.returncode == 0, stop.stderr
     assert _wait(head, sid, timeout=120) == "STOPPED"
     before = {t.number: t.values for t in _study(tmp_path, "resume").trials if t.state == TrialState.COMPLETE}
