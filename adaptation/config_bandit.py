@@ -73,7 +73,7 @@ from typing import Any
 import torch
 import yaml
 
-from speculation.config import ConfigError, EngineConfig
+from speculation.config import ConfigError, EngineConfig, load_yaml_mapping
 from speculation.policy.cost import interp
 from speculation.drafters import MethodSpec, build_drafter, resolve_methods
 from speculation.drafters.base import DraftContext, Drafter, Proposal, StepOutcome
@@ -149,8 +149,8 @@ def load_arms(path: str | Path) -> list[ConfigArm]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config arms file {p} does not exist (graftblock compare writes {PARETO_FILE})")
-    doc = yaml.safe_load(p.read_text())
-    if not isinstance(doc, Mapping) or not isinstance(doc.get("arms"), list) or not doc["arms"]:
+    doc = load_yaml_mapping(p, "config arms file", "arms: [{name, method, options}, ...]")
+    if not isinstance(doc.get("arms"), list) or not doc["arms"]:
         raise ConfigError(f"{p}: arms must be a non-empty list of {{name, method, options}}")
     arms: list[ConfigArm] = []
     for i, raw in enumerate(doc["arms"]):

@@ -213,7 +213,7 @@ def learner_config_from_dict(data: Any) -> LearnerServeConfig:
     if not isinstance(data, Mapping):
         raise ConfigError(f"serve.learner must be a mapping of learner options, got {data!r}")
     names = {f.name for f in dataclasses.fields(LearnerServeConfig)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)
     if unknown:
         raise ConfigError(f"serve.learner: unknown key(s) {unknown}; allowed: {sorted(names)}")
     return LearnerServeConfig(**data)
@@ -275,6 +275,9 @@ class ServeConfig:
     """Ray resources per replica, e.g. ``{CPU: 1}`` here or ``{GPU: 1, CPU: 4}`` on a GPU node."""
     max_ongoing_requests: int = 64
     """Requests Ray Serve routes to one replica at a time (the rest queue in the proxy). Range [1, 100000]."""
+    replica_retries: int = 2
+    """Times the router re-sends a request whose engine replica was lost (node down, actor killed) before
+    it answered; then the client gets a 503 OpenAI error body. Range [0, 10]."""
     drafter_placement: DrafterPlacement = DrafterPlacement.IN_PROCESS
     """``in_process`` or ``worker`` (:class:`DrafterPlacement`). Ignored for ``vanilla`` (no drafter)."""
     drafter_worker_cpus: float = 0.25
@@ -360,6 +363,7 @@ class ServeConfig:
             _int("torch_threads", self.torch_threads, 1, 256)
         _int("num_replicas", self.num_replicas, 1, 1024)
         _int("max_ongoing_requests", self.max_ongoing_requests, 1, 100000)
+        _int("replica_retries", self.replica_retries, 0, 10)
         if self.max_ongoing_requests < self.max_sequences + self.max_waiting:
             raise ConfigError(f"serve.max_ongoing_requests ({self.max_ongoing_requests}) must be at least "
                               f"serve.max_sequences + serve.max_waiting ({self.max_sequences + self.max_waiting}): "
@@ -439,7 +443,7 @@ def serve_config_from_dict(data: Mapping[str, Any] | None, where: str = "serve")
     """:class:`ServeConfig` from a mapping, rejecting unknown keys by name."""
     data = dict(data or {})
     names = {f.name for f in dataclasses.fields(ServeConfig)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
     return ServeConfig(**data)

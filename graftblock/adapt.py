@@ -225,7 +225,7 @@ class StreamSpec:
 
 
 def _no_unknown(raw: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(raw) - allowed)
+    unknown = sorted(set(raw) - allowed, key=str)
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
 

@@ -397,7 +397,7 @@ class GraftConfig:
                 "by graft.dense_budget); remove it"
             )
         allowed = sorted(f.name for f in dataclasses.fields(cls) if f.init and f.name not in cls.GRAFT_SIZED)
-        unknown = sorted(set(options) - set(allowed))
+        unknown = sorted(set(options) - set(allowed), key=str)
         if unknown:
             raise ConfigError(f"graft.tree_drafter: unknown key(s) {unknown} for tree drafter type {kind}; allowed: "
                               f"{['type', *allowed]}")
@@ -474,7 +474,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str | None = 
     data = dict(data or {})
     where = where or cls.__name__
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
     kwargs = {}

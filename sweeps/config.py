@@ -118,7 +118,7 @@ class SweepConfig:
             raise ConfigError(f"{o}.bench.methods is set by the sweep (sweep.method); remove it")
         if self.categories is not None:
             if (
-                isinstance(self.categories, str)
+                not isinstance(self.categories, (list, tuple))
                 or not all(isinstance(c, str) for c in self.categories)
                 or not self.categories
             ):
@@ -128,7 +128,7 @@ class SweepConfig:
             object.__setattr__(self, "categories", tuple(self.categories))
         if self.holdout_categories is not None:
             held = self.holdout_categories
-            if isinstance(held, str) or not held or not all(isinstance(c, str) for c in held):
+            if not isinstance(held, (list, tuple)) or not held or not all(isinstance(c, str) for c in held):
                 raise ConfigError(
                     f"{o}.holdout_categories must be a non-empty list of category names, got {held!r}"
                 )

@@ -135,7 +135,7 @@ def parse_knob(name: str, raw: Any) -> Knob:
             f"{where}: expected a mapping like {{type: int, low: 1, high: 8}} or "
             f"{{type: categorical, choices: [...]}}, got {raw!r}"
         )
-    unknown = sorted(set(raw) - _KNOB_KEYS)
+    unknown = sorted(set(raw) - _KNOB_KEYS, key=str)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(_KNOB_KEYS)}")
     try:
