@@ -55,6 +55,7 @@ from cluster.openai_api import (
     encode_prompt,
     parse_request,
 )
+from cluster.openapi import openapi_schema
 from cluster.resilient_drafter import (FALLBACK_STAT, REBUILD_STAT, DrafterWorkerSupervisor, supervised_factory,
                                        supervisor_from_config)
 from cluster.serve_config import DrafterPlacement, ServeConfig
@@ -140,6 +141,7 @@ class OpenAIService:
         self.waiting_requests = 0
         self.verify_steps = 0
         self.tokens_gained = 0
+        self._openapi: dict | None = None
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "OpenAIService":
@@ -209,6 +211,13 @@ class OpenAIService:
 
     def models(self) -> dict:
         return ModelList(data=[ModelCard(id=self.config.model_name, created=self.created)]).model_dump()
+
+    def openapi(self) -> dict:
+        """The OpenAPI document of the routes, narrowed by this replica's limits (``cluster.openapi``)."""
+        if self._openapi is None:
+            self._openapi = openapi_schema(self.config.model_name, self.config.max_tokens, self.vocab_size,
+                                           api_key_required=self.config.api_key is not None)
+        return self._openapi
 
     def health(self) -> tuple[int, dict]:
         """``(HTTP status, body)``: 200 while the engine runs and is not stalled, else 503."""
@@ -513,7 +522,7 @@ class OpenAIService:
                 id=job.request_id, created=created, model=model,
                 choices=[ChatChunkChoice(delta=delta, finish_reason=self._reason(p) if p else None)],
                 usage=self._usage(job, p) if p else None, graftblock=self._stats(p) if p else None)
-            return _sse(c.model_dump(exclude_none=True, serialize_as_any=True))
+            return sse_event(c.model_dump(exclude_none=True, serialize_as_any=True))
 
         yield chunk(ChatDelta(role="assistant", content=""), None)
         async for text in self._sse_body(first, rest, lambda d: chunk(ChatDelta(content=d), None),
@@ -529,7 +538,7 @@ class OpenAIService:
                 id=job.request_id, created=created, model=model,
                 choices=[CompletionChoice(text=delta, finish_reason=self._reason(p) if p else None)],
                 usage=self._usage(job, p) if p else None, graftblock=self._stats(p) if p else None)
-            return _sse(c.model_dump(exclude_none=True, serialize_as_any=True))
+            return sse_event(c.model_dump(exclude_none=True, serialize_as_any=True))
 
         async for text in self._sse_body(first, rest, lambda d: chunk(d, None), lambda p, d: chunk(d, p)):
             yield text
@@ -549,16 +558,17 @@ class OpenAIService:
                     yield middle(delta)
                 item = await rest.__anext__()
         except APIError as exc:
-            yield _sse(exc.body())
+            yield sse_event(exc.body())
         except Exception as exc:  # headers are sent: report it in the stream instead of cutting it
             log.exception("streaming response failed")
-            yield _sse(APIError(500, f"{type(exc).__name__}: {exc}", ErrorType.SERVER).body())
+            yield sse_event(APIError(500, f"{type(exc).__name__}: {exc}", ErrorType.SERVER).body())
         finally:
             await rest.aclose()
         yield "data: [DONE]\n\n"
 
 
-def _sse(obj: dict) -> str:
+def sse_event(obj: dict) -> str:
+    """One server-sent event whose data is ``obj`` as compact JSON."""
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
