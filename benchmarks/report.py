@@ -84,6 +84,8 @@ GROUP_OF: dict[str, str] = {
     "chunked_prefill_c64_fp32": "batching",
     "chunked_prefill_budget_n16_fp32": "batching",
     "serve_load": "serving",
+    "fuzz_api": "serving",
+    "load_locust": "serving",
     "serve_load_threads_1": "serving",
     "serve_load_threads_2": "serving",
     "ray_overhead": "serving",
@@ -160,6 +162,19 @@ def _host(res: dict) -> str:
         if family in cpu:
             return f"{'Intel' if family == 'Xeon' else 'AMD'} {family}{isa}"
     return cpu + isa
+
+
+def _load_ramp(r: dict) -> str:
+    t = r["targets"]
+    if not t.get("evaluated"):
+        return "not evaluated"
+    return (f"{t['users']} users: {t['server_errors']} 5xx, {t['lost']} lost, p99 ITL {fmt(t['itl_p99_ratio'], 2)}x "
+            f"unloaded ({'met' if t['met'] else 'missed'})")
+
+
+def _fuzz(r: dict) -> str:
+    return (f"{r['cases']} cases: {r['server_errors']} 5xx, {len(r['failures'])} failed checks, "
+            f"healthy after: {'yes' if r['healthy_after'] else 'no'}")
 
 
 def _foundation(r: dict) -> str:
@@ -404,6 +419,10 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("serve_load", "Does a live server keep the offline engine's throughput?",
           "serving / offline ≥ 0.80", _serving,
           "A live OpenAI-compatible server keeps the offline engine's throughput (fp32, {host})", label="Serving"),
+    Claim("load_locust", "Does overload stay clean (2x saturation)?", "0 5xx, none lost, p99 ITL ≤ 3x unloaded",
+          _load_ramp, label="Load ramp (locust)"),
+    Claim("fuzz_api", "Does the API survive fuzzing (≥ 1,000 schemathesis cases)?",
+          "0 5xx, every 4xx an OpenAI error body, healthy after", _fuzz, label="API fuzzing"),
     Claim("adapt_harmful_eagle3_fp32", "Does the swap guard roll back a harmful update?",
           "rolled back within one watch window, output unchanged", _harmful,
           "The swap guard rolls back a harmful update (EAGLE-3, fp32, {host})", label="Harmful update"),

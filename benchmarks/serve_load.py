@@ -70,7 +70,8 @@ class Stats:
     errors: list[str] = field(default_factory=list)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) of ``xs`` by the nearest rank; None when empty."""
     if not xs:
         return None
     s = sorted(xs)
@@ -146,8 +147,8 @@ async def run_load(args, prompts: list[str], phases: list[str] | None = None) ->
         "wall_s": wall, "requests_sent": sent, "requests_done": stats.done, "errors": len(stats.errors),
         "error_messages": stats.errors[:10], "output_tokens": stats.tokens,
         "output_tokens_per_s": stats.tokens / wall if wall else 0.0,
-        "ttft_p50_s": _pct(stats.ttft, 50), "ttft_p99_s": _pct(stats.ttft, 99),
-        "itl_p50_s": _pct(stats.itl, 50), "itl_p99_s": _pct(stats.itl, 99),
+        "ttft_p50_s": percentile(stats.ttft, 50), "ttft_p99_s": percentile(stats.ttft, 99),
+        "itl_p50_s": percentile(stats.itl, 50), "itl_p99_s": percentile(stats.itl, 99),
         "tpot_mean_s": statistics.fmean(stats.tpot) if stats.tpot else None,
         "tau_mean": statistics.fmean(stats.tau) if stats.tau else None,
         "server_torch_threads": health.get("torch_threads"),

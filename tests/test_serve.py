@@ -361,6 +361,45 @@ def test_metrics_endpoint(server, client):
     assert "graftblock_running_requests" in text and "graftblock_waiting_requests" in text
 
 
+# --------------------------------------------------------------------------- fuzzing (the short profile)
+def test_fuzzed_api_has_no_5xx_every_4xx_is_an_openai_error_and_the_server_stays_healthy(server, client, twin):
+    """schemathesis from the server's own ``/openapi.json``: 15 cases per operation and mode (``make fuzz``
+    runs 140 on SmolLM2). Positive cases must reach generation; afterwards the server still answers exactly."""
+    from benchmarks.fuzz_api import FuzzConfig, fuzz
+
+    report = fuzz(FuzzConfig(base_url=server.base, api_key=API_KEY, examples=15), log=lambda _: None)
+    assert report.cases >= 100, report.to_json()
+    assert report.server_errors == 0 and not report.failures, report.failures
+    assert report.healthy_after
+    for op in ("POST /v1/chat/completions", "POST /v1/completions"):
+        assert report.statuses[f"{op} positive"][200] > 0, report.statuses  # schema-valid requests generate
+        assert any(400 <= s < 500 for s in report.statuses[f"{op} negative"]), report.statuses
+    ids = prompt_ids(7)
+    out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=12, temperature=0.0)
+    assert out.choices[0].text == words(greedy(twin, ids, 12))
+
+
+def test_locust_load_ramp_reports_every_stage_without_errors(server, tmp_path):
+    """``benchmarks/load_locust.py`` (a subprocess: locust monkey-patches the standard library with gevent)
+    over two short stages: requests finish in each, TTFT/ITL are measured, nothing is lost, the verdict
+    is evaluated at 2 x saturation."""
+    out = tmp_path / "load.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.load_locust", "--base-url", server.base, "--api-key", API_KEY,
+         "--model", MODEL_NAME, "--saturation", "1", "--stages", "1,2", "--stage-seconds", "3",
+         "--max-tokens", "16", "--prompts", "4", "--json", str(out)],
+        cwd=Path(__file__).resolve().parent.parent, env={**os.environ, **RAY_TEST_ENV}, capture_output=True,
+        text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert [s["users"] for s in res["stages"]] == [1, 2]
+    for stage in res["stages"]:
+        assert stage["requests_ok"] > 0 and stage["errors"] == {}, stage
+        assert 0 < stage["ttft_p50_s"] <= stage["ttft_p99_s"] and stage["itl_p50_s"] > 0
+        assert stage["goodput_tokens_per_s"] > 0
+    assert res["lost"] == 0 and res["targets"]["evaluated"] and res["targets"]["server_errors"] == 0
+
+
 # --------------------------------------------------------------------------- graceful shutdown (last)
 def test_sigterm_drains_in_flight_request_and_finishes_mlflow_run(server, client, twin):
     ids = prompt_ids(6)

@@ -129,6 +129,8 @@ SECTIONS: dict[str, str] = {
     "chunked_prefill_budget_n16_fp32": "Continuous batching: chunked prefill with a per-step prompt budget against whole prompts, an arrival wave at N = 16 (vanilla, fp32)",
     "concurrency_specbench_fp32_drafting_charged_to_vanilla": "Continuous batching (fp32), the same run before the goodput fix: drafting seconds charged to the vanilla split too",
     "serve_load": "Serving: a live `graftblock serve` under concurrent streaming clients",
+    "fuzz_api": "Serving: the OpenAI API fuzzed from its OpenAPI document (schemathesis)",
+    "load_locust": "Serving: a locust ramp from 1 to 4x the saturating concurrency",
     "serve_load_threads_1": "Serving: replica torch threads, 1 (80 requests; pair of the next table)",
     "serve_load_threads_2": "Serving: replica torch threads, 2 (80 requests; pair of the previous table)",
     "serve_adaptive_static": "Adaptive serving, baseline: EAGLE-3 on the domain-shift stream with the learner static (2 streaming clients, fp32)",

@@ -42,6 +42,52 @@ def render_serve_load(res: dict) -> list[str]:
     return lines
 
 
+@renderer("fuzz_api")
+def render_fuzz_api(res: dict) -> list[str]:
+    """A schemathesis run against a live server's OpenAPI document (``benchmarks/fuzz_api.py``)."""
+    srv = res.get("server", {})
+    lines = [f"Server: model **{srv.get('model', '?')}**, dtype **{srv.get('dtype', '?')}**, method "
+             f"`{srv.get('method', '?')}`, max_tokens {srv.get('max_tokens', '?')}; "
+             f"{res['examples_per_operation_mode']} hypothesis cases per operation and mode "
+             f"({', '.join(res['modes'])}), seed {res['seed']}: **{res['cases']} cases** in {fmt(res['seconds'], 0)} s, "
+             f"**{res['server_errors']} 5xx**, {len(res['failures'])} failed checks, "
+             f"healthy afterwards: **{'yes' if res['healthy_after'] else 'no'}**.", "",
+             "| operation | mode | " + " | ".join(sorted({s for c in res["by_operation"].values() for s in c})) + " |"]
+    statuses = sorted({s for c in res["by_operation"].values() for s in c})
+    lines.append("|---|---|" + "---|" * len(statuses))
+    for key, counts in res["by_operation"].items():
+        op, _, mode = key.rpartition(" ")
+        lines.append(f"| `{op}` | {mode} | " + " | ".join(str(counts.get(s, 0)) for s in statuses) + " |")
+    for f in res["failures"][:10]:
+        lines += ["", f"Failed: `{f['operation']}` ({f['mode']}, {f['status']}, ×{f['count']}): {f['check']}"]
+    return lines
+
+
+@renderer("load_locust")
+def render_load_locust(res: dict) -> list[str]:
+    """A locust ramp against a live server (``benchmarks/load_locust.py``)."""
+    srv = res.get("server", {})
+    lines = [f"Server: model **{srv.get('model', '?')}**, dtype **{srv.get('dtype', '?')}**, method "
+             f"`{srv.get('method', '?')}`, {srv.get('max_sequences', '?')} sequences per step x "
+             f"{srv.get('num_replicas', '?')} replica(s), admission queue {srv.get('max_waiting', '?')}; "
+             f"closed-loop streaming chat users (locust {res['locust']}), greedy, {res['max_tokens']} max tokens, "
+             f"{fmt(res['stage_seconds'], 0)} s per stage, dataset `{dataset_label(res['dataset'])}`. Saturating "
+             f"concurrency S = {res['saturation']}. {res['requests_sent']} requests sent, **{res['lost']} lost**.", "",
+             "| users | ok | goodput tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |",
+             "|---|---|---|---|---|---|"]
+    for st in res["stages"]:
+        errors = ", ".join(f"{k}: {v}" for k, v in st["errors"].items()) or "none"
+        lines.append(f"| {st['users']} | {st['requests_ok']} | {fmt(st['goodput_tokens_per_s'], 1)} | "
+                     f"{ms(st['ttft_p50_s'])} / {ms(st['ttft_p99_s'])} | {ms(st['itl_p50_s'])} / {ms(st['itl_p99_s'])} | "
+                     f"{errors} |")
+    t = res["targets"]
+    if t.get("evaluated"):
+        lines += ["", f"At 2S = {t['users']} users: {t['server_errors']} 5xx, {t['lost']} lost, p99 ITL "
+                      f"{fmt(t['itl_p99_ratio'], 2)}x its one-user value (target ≤ {fmt(t['itl_target_ratio'], 0)}x): "
+                      f"**{'met' if t['met'] else 'missed'}**."]
+    return lines
+
+
 @renderer("ray_overhead")
 def render_ray_overhead(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**, {len(res['prompts'])} prompts x {res['max_new_tokens']} new tokens, "
