@@ -66,9 +66,10 @@ def check_cluster_fits(topology: Topology) -> None:
     short = {k: v for k, v in need.items() if total.get(k, 0.0) + _EPS < v}
     if short:
         have = {k: total.get(k, 0.0) for k in short}
+        drafter = f" + drafter {{{_fmt(topology.drafter_resources)}}}" if topology.drafter_bundle else ""
         raise ClusterResourceError(
             f"the topology asks for {_fmt(short)} in total ({topology.shards} shard(s) x "
-            f"{{{_fmt(topology.shard_resources)}}} + drafter {{{_fmt(topology.drafter_resources)}}}) but the "
+            f"{{{_fmt(topology.shard_resources)}}}{drafter}) but the "
             f"cluster has {_fmt(have)}; lower topology.shard_resources / shards, or add nodes "
             "(set require_resources_now: false to wait for an autoscaler)"
         )
@@ -184,6 +185,9 @@ class RayDeployment:
 
     # ------------------------------------------------------------------ drafters
     def _drafter_worker(self):
+        if not self.topology.drafter_bundle:
+            raise ConfigError("this deployment reserved no drafter bundle (topology.drafter_bundle: false); "
+                              "its drafters run elsewhere")
         if self._worker is None:
             opts = _actor_options(
                 self.topology.drafter_resources, self.pg, self.topology.shards, self.topology.actor_env

@@ -245,6 +245,9 @@ class GraftblockRouter:
                 log.warning("engine replica lost answering %s (attempt %d): %s", endpoint.value, attempt + 1,
                             type(exc).__name__)
                 self.counters.retried += attempt < self.replica_retries
+            except Exception as exc:  # a replica bug: still an OpenAI body
+                log.exception("engine replica failed answering %s", endpoint.value)
+                return Reply.error(APIError(500, f"{type(exc).__name__}: {exc}"[:500], ErrorType.SERVER))
         self.counters.unavailable += 1
         return Reply.error(_lost("no engine replica answered; retry shortly", "replica_unavailable"))
 
@@ -263,6 +266,9 @@ class GraftblockRouter:
             except asyncio.CancelledError:
                 gen.cancel()
                 raise
+            except Exception as exc:  # a replica bug: still an OpenAI body, never the framework's 500 page
+                log.exception("engine replica failed answering %s", endpoint.value)
+                return _error_response(APIError(500, f"{type(exc).__name__}: {exc}"[:500], ErrorType.SERVER))
             if not head.stream:
                 return head.response()
             return StreamingResponse(self._relay(gen), status_code=head.status, media_type=head.media_type,
@@ -284,6 +290,11 @@ class GraftblockRouter:
             self.counters.lost_streams += 1
             yield sse_event(_lost("the engine replica serving this stream was lost; retry the request",
                              "replica_lost").body())
+            yield "data: [DONE]\n\n"
+            finished = True
+        except Exception as exc:  # headers are sent: report it in the stream instead of cutting it
+            log.exception("relaying a stream failed")
+            yield sse_event(APIError(500, f"{type(exc).__name__}: {exc}"[:500], ErrorType.SERVER).body())
             yield "data: [DONE]\n\n"
             finished = True
         finally:

@@ -59,7 +59,7 @@ class ShardedServeTarget:
             raise ConfigError(
                 f"serve.target_shards must be >= 1 for a sharded target, got {config.target_shards}")
         topology = Topology(shards=config.target_shards, shard_resources={"CPU": float(config.shard_cpus)},
-                            drafter_resources={"CPU": float(config.shard_cpus)},
+                            drafter_bundle=False,  # the replica's drafters run in it or in its DrafterWorker
                             max_sequences=config.max_sequences, max_restarts=config.shard_max_restarts,
                             torch_threads=config.torch_threads)
         self.deployment = RayDeployment(topology, config.model, config.dtype, name_prefix=name_prefix)

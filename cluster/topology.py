@@ -66,6 +66,10 @@ class Topology:
     """Ray resources per shard bundle, e.g. ``{CPU: 0.25}`` here or ``{GPU: 1, CPU: 2}`` on GPUs."""
     drafter_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.25})
     """Ray resources of the drafter worker's bundle."""
+    drafter_bundle: bool = True
+    """Reserve the drafter worker's bundle in the placement group. Off for a target whose drafters
+    run elsewhere (a serving replica's), so the group holds only the shards: a shard per node then
+    needs exactly the nodes' shard resources."""
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
     """How the bundles are placed across nodes."""
     torch_threads: int | None = 1
@@ -95,6 +99,8 @@ class Topology:
         object.__setattr__(
             self, "drafter_resources", _check_resources(f"{o}.drafter_resources", self.drafter_resources)
         )
+        if not isinstance(self.drafter_bundle, bool):
+            raise ConfigError(f"{o}.drafter_bundle must be true or false, got {self.drafter_bundle!r}")
         try:
             object.__setattr__(self, "placement_strategy", PlacementStrategy(self.placement_strategy))
         except ValueError:
@@ -149,8 +155,9 @@ class Topology:
         return [range(k * num_layers // s, (k + 1) * num_layers // s) for k in range(s)]
 
     def bundles(self) -> list[dict[str, float]]:
-        """Placement-group bundles: one per shard, then the drafter worker's."""
-        return [dict(self.shard_resources) for _ in range(self.shards)] + [dict(self.drafter_resources)]
+        """Placement-group bundles: one per shard, then the drafter worker's (when ``drafter_bundle``)."""
+        drafter = [dict(self.drafter_resources)] if self.drafter_bundle else []
+        return [dict(self.shard_resources) for _ in range(self.shards)] + drafter
 
     def total_resources(self) -> dict[str, float]:
         """Sum of every bundle's resources."""
@@ -172,6 +179,7 @@ class Topology:
             "shards": self.shards,
             "shard_resources": dict(self.shard_resources),
             "drafter_resources": dict(self.drafter_resources),
+            "drafter_bundle": self.drafter_bundle,
             "placement_strategy": self.placement_strategy.value,
             "torch_threads": self.torch_threads,
             "ready_timeout_s": self.ready_timeout_s,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 from ray import tune
 
@@ -143,6 +144,11 @@ def _bench_logged(ctx: TrialContext, run_id: str, stem: str, method_cfg: dict[st
     return metrics
 
 
+def _ray_node_id() -> str:
+    """The Ray node this process runs on, or ``"-"`` outside Ray (a trial run in the driver's process)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "-"
+
+
 def run_trial(
     ctx: TrialContext, number: int, params: dict[str, Any], target, questions: list
 ) -> dict[str, float]:
@@ -157,8 +163,9 @@ def run_trial(
         ctx.tracking_uri, ctx.experiment_id, ctx.parent_run_id, ctx.study, number, ctx.method, method_cfg,
         ctx.source,
     )
+    # Which Ray node ran it (the state API maps the id to the node): a multi-node sweep is traceable per trial.
     return _bench_logged(ctx, run_id, f"trial-{number:04d}", method_cfg, target, questions,
-                         {"trial_number": number})
+                         {"trial_number": number, "ray_node_id": _ray_node_id()})
 
 
 def load_target(bench: BenchConfig):

@@ -7,6 +7,7 @@ cluster if another module already started it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -48,3 +49,30 @@ def tiny_model_dir(tmp_path_factory):
     tiny_llama().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def running_cluster(root, head_cpus: int = 1, worker_cpus: tuple[int, ...] = (1,)):
+    """A ``cluster.local_cluster`` cluster (``ray start`` per node, the venv's ``ray``) for the block;
+    stopped by PID afterwards, and nothing of it may be left running."""
+    import sys
+    from pathlib import Path
+
+    from cluster.local_cluster import LocalCluster, LocalClusterConfig
+
+    cluster = LocalCluster(LocalClusterConfig(root=root, head_cpus=head_cpus, worker_cpus=worker_cpus,
+                                              ray_bin=Path(sys.executable).parent / "ray"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        left = cluster.stop()
+        assert not left, f"processes of the local cluster still running: {left}"
+
+
+@pytest.fixture(scope="module")
+def local_cluster(tmp_path_factory):
+    """A head and one worker node, one CPU each (``cluster.local_cluster``), for one test module
+    (``tests/test_multinode_*.py`` import it)."""
+    with running_cluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster

@@ -24,6 +24,12 @@ def test_gpu_topology_asks_one_gpu_per_shard():
     assert topo.placement_strategy == PlacementStrategy.SPREAD
 
 
+def test_without_the_drafter_bundle_the_group_holds_only_the_shards():
+    topo = Topology(shards=2, shard_resources={"CPU": 1}, drafter_bundle=False)
+    assert topo.bundles() == [{"CPU": 1}, {"CPU": 1}] and topo.total_resources() == {"CPU": 2}
+    assert Topology(shards=2, shard_resources={"CPU": 1}).total_resources() == {"CPU": 2.25}
+
+
 @pytest.mark.parametrize("layers,shards", [(30, 1), (30, 2), (30, 4), (30, 7), (4, 4), (5, 3)])
 def test_layer_ranges_are_contiguous_and_balanced(layers, shards):
     ranges = Topology(shards=shards).layer_ranges(layers)
@@ -49,6 +55,7 @@ def test_more_shards_than_layers_is_a_clear_error():
         ({"shard_resources": {"CPU": -1}}, r"topology.shard_resources.CPU must be >= 0"),
         ({"shard_resources": {"GPU": 1.5}}, r"whole numbers"),
         ({"drafter_resources": {"CPU": "x"}}, r"topology.drafter_resources.CPU must be a number"),
+        ({"drafter_bundle": "yes"}, r"topology.drafter_bundle must be true or false"),
         ({"placement_strategy": "NEAR"}, r"placement_strategy must be one of PACK, SPREAD"),
         ({"torch_threads": 0}, r"torch_threads must be an integer in \[1, 256\]"),
         ({"ready_timeout_s": 0}, r"ready_timeout_s must be in \(0, 3600\]"),

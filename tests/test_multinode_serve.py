@@ -9,6 +9,9 @@ its own custom resource each.
 * Losing the worker node (its raylet killed by PID) mid-request: requests retry on the head's
   replica or end with an OpenAI 503 body / ``replica_lost`` event, ``/health`` reports the loss, and
   the replica returns with the node.
+* A target sharded one pipeline shard per node (``target_shards: 2``, one CPU each) equals the twin;
+  losing the worker node mid-request ends every request within its timeout (exact or an OpenAI
+  error), and answers are exact again once the node is back.
 * Stopping the cluster leaves no process of it running (stopped by PID, never ``ray stop``).
 """
 
@@ -22,23 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from ray.util.state import list_actors, list_nodes
 
-from cluster.local_cluster import HEAD, LABEL_KEY, LocalCluster, LocalClusterConfig
+from cluster.local_cluster import HEAD, LABEL_KEY, LocalCluster
 from cluster.serve_app import DEPLOYMENT_NAME
+from tests.ray_fixtures import local_cluster  # noqa: F401 (a fixture)
 from tests.test_serve import AUTH, API_KEY, MODEL_NAME, Server, greedy, prompt_ids, twin, words  # noqa: F401 (twin: fixture over this module's server)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def local_cluster(tmp_path_factory):
-    cluster = LocalCluster(LocalClusterConfig(root=tmp_path_factory.mktemp("cluster"), head_cpus=1,
-                                              worker_cpus=(1,)))
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        left = cluster.stop()
-        assert not left, f"processes of the local cluster still running: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +125,10 @@ def _stream(server, ids: list[int], first: threading.Event) -> dict:
     return out
 
 
-def _whole(server, ids: list[int]) -> tuple[int, dict]:
+def _whole(server, ids: list[int], max_tokens: int = LOST_TOKENS) -> tuple[int, dict]:
     import requests
 
-    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": LOST_TOKENS, "temperature": 0}
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
     r = requests.post(server.base + "/v1/completions", json=body, headers=AUTH, timeout=120)
     return r.status_code, r.json()
 
@@ -199,3 +191,69 @@ def test_losing_the_worker_node_mid_request_retries_or_fails_cleanly_and_the_rep
     with ThreadPoolExecutor(4) as pool:
         after = list(pool.map(lambda i: _whole(server, prompts[i]), range(4)))
     assert [b["choices"][0]["text"] for s, b in after if s == 200] == refs[:4]
+
+
+# --------------------------------------------------------------------------- a target sharded over both nodes
+def _shard_nodes(cluster: LocalCluster) -> list[str]:
+    names = {n.node_id: (n.labels or {}).get(LABEL_KEY) for n in list_nodes(address=cluster.dashboard_url, detail=True)}
+    actors = list_actors(address=cluster.dashboard_url, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+    return sorted(names.get(a.node_id) for a in actors if a.class_name.endswith("TargetShard"))
+
+
+def test_a_target_sharded_one_shard_per_node_equals_the_twin_and_survives_losing_a_node(
+        local_cluster, server, twin, tmp_path):
+    """``target_shards: 2`` with one CPU per shard and one per node: Ray must put one pipeline shard on
+    each node. Answers equal the twin; losing the worker node mid-request ends every request within its
+    timeout (exact, or an error naming the lost shard); once the node is back, answers are exact again."""
+    server.stop()  # the two-replica server holds both nodes' CPUs
+
+    class ShardedServer(Server):
+        OVERRIDES = {"ray_address": local_cluster.gcs_address, "ray_num_cpus": None, "num_replicas": 1,
+                     "replica_resources": {"CPU": 0, f"graftblock_{HEAD}": 0.5}, "target_shards": 2,
+                     "shard_cpus": 1, "shard_max_restarts": 5, "shard_restart_timeout_s": 20.0,
+                     "stall_timeout_s": 60.0, "request_timeout_s": 90.0, "proxy_location": "HeadOnly"}
+
+    srv = ShardedServer(tmp_path)
+    try:
+        srv.wait_ready(timeout=180.0)
+        assert _shard_nodes(local_cluster) == [HEAD, "worker"]
+        prompts = [prompt_ids(400 + i) for i in range(3)]
+        refs = [words(greedy(twin, ids, LOST_TOKENS)) for ids in prompts]
+        short = words(greedy(twin, prompts[1], 40))
+        status, body = _whole(srv, prompts[1], 40)
+        assert status == 200 and body["choices"][0]["text"] == short
+
+        firsts = [threading.Event() for _ in range(2)]
+        with ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(_stream, srv, prompts[i], firsts[i]) for i in range(2)]
+            whole = pool.submit(_whole, srv, prompts[2])
+            assert all(f.wait(60) for f in firsts), "the streams never started"
+            local_cluster.kill_raylet("worker")
+            t_kill = time.monotonic()
+            got = [f.result(timeout=150) for f in streams]  # nothing hangs past the request timeout
+            w_status, w_body = whole.result(timeout=150)
+        ended_s = time.monotonic() - t_kill
+        for out, ref in zip(got, refs):
+            if out["error"] is None and out["status"] == 200:
+                assert out["done"] and out["text"] == ref
+            else:
+                assert ref.startswith(out["text"]), out["text"][:80]
+                assert out["error"] is not None and out["error"]["message"], out
+        if w_status == 200:
+            assert w_body["choices"][0]["text"] == refs[2]
+        else:
+            assert w_status >= 500 and w_body["error"]["message"], (w_status, w_body)
+        print(f"sharded: requests ended {ended_s:.1f} s after the kill; streams "
+              f"{[(o['status'], (o['error'] or {}).get('code')) for o in got]}, whole {w_status}")
+
+        local_cluster.start_node("worker")
+        _wait_for("both shards placed again", lambda: _shard_nodes(local_cluster) == [HEAD, "worker"],
+                  timeout=240, poll=1.0)
+
+        def exact_again():
+            s, b = _whole(srv, prompts[1], 40)
+            return s == 200 and b["choices"][0]["text"] == short
+
+        _wait_for("an exact answer after the node returned", exact_again, timeout=240, poll=2.0)
+    finally:
+        srv.stop()

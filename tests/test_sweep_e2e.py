@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.local_cluster import LocalCluster, LocalClusterConfig
-from tests.ray_fixtures import RAY_TEST_ENV
+from cluster.local_cluster import LocalCluster
+from tests.ray_fixtures import RAY_TEST_ENV, running_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -43,14 +43,8 @@ def _env() -> dict[str, str]:
 def head(tmp_path_factory):
     """A one-node cluster (``cluster.local_cluster``, as ``make cluster-local`` starts it): a
     ``ray start --head --block`` process group on loopback with the job server, stopped by PID."""
-    h = LocalCluster(LocalClusterConfig(root=tmp_path_factory.mktemp("head"), head_cpus=2, worker_cpus=(),
-                                        ray_bin=VENV_BIN / "ray"))
-    h.start()
-    try:
+    with running_cluster(tmp_path_factory.mktemp("head"), head_cpus=2, worker_cpus=()) as h:
         yield h
-    finally:
-        left = h.stop()
-        assert not left, f"Ray processes of the test head are still running: {left}"
 
 
 def _ray(head: LocalCluster, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
