@@ -32,6 +32,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import ray  # noqa: E402
 import torch  # noqa: E402
 
 from cluster.backend import RayTargetBackend  # noqa: E402
@@ -95,6 +96,12 @@ def _measure(backend, drafter_for, prompt: list[int], engine: EngineConfig, repe
     return out
 
 
+def _bundle_nodes(dep: RayDeployment) -> list[str]:
+    """Node ids of the deployment's shard bundles, in shard order (where each shard runs)."""
+    table = ray.util.placement_group_table(dep.pg)
+    return [str(table["bundles_to_node_id"][k]) for k in range(dep.topology.shards)]
+
+
 def run_dtype(dtype: str, args, prompts: list[str]) -> dict:
     model, tok = assets.load_model_and_tokenizer(args.model, getattr(torch, dtype))
     target = TargetModel(model, tok)
@@ -108,6 +115,11 @@ def run_dtype(dtype: str, args, prompts: list[str]) -> dict:
         )
         for n in (1, 2)
     }
+    if args.across_nodes:
+        # The same 2 shards with SPREAD: on a cluster of several nodes, each shard on its own node.
+        deps["ray_2_across_nodes"] = RayDeployment(
+            Topology(shards=2, placement_strategy="SPREAD", **topo), args.model, dtype)
+    shard_nodes = {name: _bundle_nodes(dep) for name, dep in deps.items()}  # before shutdown frees the groups
     paths = {"local": (target, lambda: build_drafter(spec, target))}
     for name, dep in deps.items():
         paths[name] = (dep.backend, lambda dep=dep: dep.drafter(spec))
@@ -145,6 +157,7 @@ def run_dtype(dtype: str, args, prompts: list[str]) -> dict:
         for name in deps
     }
     return {
+        "shard_nodes": shard_nodes,
         "per_path_ms": summary,
         "overhead_ms": overhead,
         "exact_vs_local": exact,
@@ -166,6 +179,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats per verify size")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, local and in every actor")
+    ap.add_argument("--across-nodes", action="store_true",
+                    help="also time 2 shards placed SPREAD (one per node on a multi-node cluster: RAY_ADDRESS)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ensure_ray()
@@ -178,6 +193,7 @@ def main() -> int:
         "max_new_tokens": args.max_new_tokens,
         "threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "ray_nodes": sum(1 for n in ray.nodes() if n["Alive"]),
         "env": environment(),
         "command": "python benchmarks/ray_overhead.py " + " ".join(sys.argv[1:]),
         "results": results,

@@ -88,6 +88,25 @@ def render_load_locust(res: dict) -> list[str]:
     return lines
 
 
+@renderer("two_node_serve")
+def render_two_node_serve(res: dict) -> list[str]:
+    """Serving on two Ray nodes against one node with the same CPUs (``benchmarks/two_node_serve.py``)."""
+    srv = res["server"]
+    lines = [f"Server: model **{srv['model']}**, dtype **{srv['dtype']}**, method `{srv['method']}`, "
+             f"{srv['replicas']} replicas of 1 CPU, {srv['max_sequences']} sequences per step each; "
+             f"dataset `{dataset_label(res['dataset'])}`. Both layouts are `cluster.local_cluster` clusters on "
+             "this one machine, run one after the other.", "",
+             "| layout | nodes (CPUs) | requests | errors | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in res["layouts"].items():
+        nodes = " + ".join(str(c) for c in [r["nodes"]["head_cpus"], *r["nodes"]["worker_cpus"]])
+        lines.append(f"| {name.replace('_', ' ')} | {nodes} | {r['requests_done']} | {r['errors']} | "
+                     f"{fmt(r['output_tokens_per_s'], 1)} | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])} | "
+                     f"{ms(r['itl_p50_s'])} / {ms(r['itl_p99_s'])} |")
+    lines += ["", f"Two nodes / one node, output tok/s: **{fmt(res['two_over_one'], 2)}**."]
+    return lines
+
+
 @renderer("ray_overhead")
 def render_ray_overhead(res: dict) -> list[str]:
     lines = [f"Model **{res['model']}**, {len(res['prompts'])} prompts x {res['max_new_tokens']} new tokens, "
@@ -104,4 +123,8 @@ def render_ray_overhead(res: dict) -> list[str]:
                 cells.append(f"{ms[key]:.0f}{extra}")
             exact = r.get("exact_vs_local", {}).get(path, "–" if path == "local" else None)
             lines.append(f"| {dt} | {path} | " + " | ".join(cells) + f" | {fmt(exact)} |")
+    placed = {p: len(set(n)) for r in res["results"].values() for p, n in r.get("shard_nodes", {}).items()}
+    if placed:
+        lines += ["", f"Ray cluster of {res.get('ray_nodes', '?')} node(s); distinct nodes under each path's shards: "
+                      + ", ".join(f"{p} {n}" for p, n in placed.items()) + "."]
     return lines
