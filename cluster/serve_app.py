@@ -225,7 +225,7 @@ class GraftblockRouter:
         """A replica's engine state, plus ``replicas``: running and target counts from the controller."""
         reply = await self._get(Endpoint.HEALTH, request)
         body = dict(reply.body) if isinstance(reply.body, dict) else {"error": reply.body}
-        running = self._running_replicas()
+        running = await asyncio.to_thread(self._running_replicas)  # a controller RPC: off the event loop
         body["replicas"] = {"running": running, "target": self.num_replicas}
         body["router"] = dataclasses.asdict(self.counters)
         status = reply.status

@@ -398,8 +398,8 @@ class ServeConfig:
         if not isinstance(self.replica_resources, Mapping) or not self.replica_resources:
             raise ConfigError("serve.replica_resources must be a non-empty mapping of Ray resource -> amount")
         for name, amount in self.replica_resources.items():
-            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
-                raise ConfigError(f"serve.replica_resources.{name} must be a number >= 0, got {amount!r}")
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 <= amount < math.inf:
+                raise ConfigError(f"serve.replica_resources.{name} must be a finite number >= 0, got {amount!r}")
         if self.ray_num_cpus is not None:
             _int("ray_num_cpus", self.ray_num_cpus, 1, 4096)
             if self.ray_address is not None:

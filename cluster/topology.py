@@ -42,8 +42,8 @@ def _check_resources(owner: str, res: Mapping[str, Any]) -> dict[str, float]:
     for name, amount in res.items():
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{owner}: resource names must be strings, got {name!r}")
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or math.isnan(float(amount)):
-            raise ConfigError(f"{owner}.{name} must be a number, got {amount!r}")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(float(amount)):
+            raise ConfigError(f"{owner}.{name} must be a finite number, got {amount!r}")
         if amount < 0:
             raise ConfigError(f"{owner}.{name} must be >= 0, got {amount}")
         if name in ("CPU", "GPU") and amount > 1 and amount != int(amount):

@@ -54,7 +54,7 @@ def test_more_shards_than_layers_is_a_clear_error():
         ({"shard_resources": {}}, r"topology.shard_resources must be a non-empty mapping"),
         ({"shard_resources": {"CPU": -1}}, r"topology.shard_resources.CPU must be >= 0"),
         ({"shard_resources": {"GPU": 1.5}}, r"whole numbers"),
-        ({"drafter_resources": {"CPU": "x"}}, r"topology.drafter_resources.CPU must be a number"),
+        ({"drafter_resources": {"CPU": "x"}}, r"topology.drafter_resources.CPU must be a finite number"),
         ({"drafter_bundle": "yes"}, r"topology.drafter_bundle must be true or false"),
         ({"placement_strategy": "NEAR"}, r"placement_strategy must be one of PACK, SPREAD"),
         ({"torch_threads": 0}, r"torch_threads must be an integer in \[1, 256\]"),
