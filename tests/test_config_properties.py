@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, seed, settings, strategies as st
 
 from adaptation.config_bandit import load_arms
 from cluster.serve_config import ServeConfig, load_serve_config
@@ -28,11 +28,14 @@ from sweeps.config import SweepConfig, load_sweep_config
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "ray_configs"
 
-PROPERTY = settings(max_examples=50, derandomize=True, deadline=None, database=None,
+PROPERTY = settings(max_examples=50, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-"""Deterministic in the suite (the same 50 cases each run); raise ``max_examples`` to hunt: at 1,500
-cases per property, random seeds, these found the four loader crashes fixed with them (unsortable
-YAML keys, a ``categories: true`` sweep, an arms file that was not YAML)."""
+"""50 cases per property, from a fixed seed (``SEED``): the same cases in every checkout and run
+(``derandomize`` derives its seed from the test and drew other cases in another checkout). Raise
+``max_examples`` and drop the seed to hunt: at 1,500 random cases per property these found the five
+loader crashes fixed with them (unsortable YAML keys, a ``categories: true`` sweep, an arms file that
+was not YAML, an infinite resource amount)."""
+SEED = 20261207
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**40), max_value=2**40),
@@ -82,6 +85,7 @@ LOADERS = {
 
 @pytest.mark.parametrize("kind", sorted(LOADERS))
 @PROPERTY
+@seed(SEED)
 @given(text=yaml_text)
 def test_malformed_yaml_text_gets_a_config_error(kind, text, tmp_path):
     load, typ = LOADERS[kind]
@@ -90,6 +94,7 @@ def test_malformed_yaml_text_gets_a_config_error(kind, text, tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(LOADERS))
 @PROPERTY
+@seed(SEED)
 @given(doc=yaml_values)
 def test_arbitrary_yaml_documents_get_a_config_error(kind, doc, tmp_path):
     load, typ = LOADERS[kind]
@@ -114,6 +119,7 @@ def _leaf_paths(doc, prefix=()):
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 @PROPERTY
+@seed(SEED)
 @given(data=st.data(), value=yaml_values)
 def test_a_shipped_config_with_one_field_replaced_loads_or_names_the_field(name, data, value, tmp_path):
     fname, load = SHIPPED[name]
@@ -161,6 +167,7 @@ lines = st.one_of(
 
 
 @PROPERTY
+@seed(SEED)
 @given(body=st.lists(lines, min_size=1, max_size=6))
 def test_malformed_question_jsonl_names_the_file_and_line(body, tmp_path):
     p = _write(tmp_path, "\n".join(body) + "\n", "questions.jsonl")
