@@ -43,7 +43,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-from schemathesis.checks import CheckContext, CheckFunction
+from schemathesis.checks import CheckFunction
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi import checks as openapi_checks
 
@@ -116,10 +116,10 @@ class FuzzReport:
         }
 
 
-def openai_error_body(ctx: CheckContext, response: Any, case: Any) -> bool | None:
+def openai_error_body(response: Any) -> None:
     """A 4xx carries OpenAI's error body; a 400 names its parameter (unless the body was not JSON)."""
     if not 400 <= response.status_code < 500:
-        return None
+        return
     try:
         body = json.loads(response.content)
     except ValueError:
@@ -131,7 +131,6 @@ def openai_error_body(ctx: CheckContext, response: Any, case: Any) -> bool | Non
         raise AssertionError(f"{response.status_code} error without a message: {body!r}")
     if response.status_code == 400 and err["code"] not in JSON_BODY_CODES and not err["param"]:
         raise AssertionError(f"400 does not name the parameter: {err['message']!r}")
-    return True
 
 
 def _first_line(exc: BaseException) -> str:
@@ -154,7 +153,7 @@ def _check_all(case: Any, response: Any, mode: GenerationMode) -> list[str]:
     except AssertionError as exc:  # one failed check
         failed.append(_first_line(exc))
     try:
-        openai_error_body(None, response, case)  # type: ignore[arg-type]
+        openai_error_body(response)
     except AssertionError as exc:
         failed.append(f"openai_error_body: {exc}")
     return failed

@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -49,9 +49,9 @@ ROUTER_NAME = "graftblock-router"
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 """The resource Ray gives the head node only: the router goes where the HTTP proxy (``HeadOnly``) is."""
 
-REPLICA_LOST: tuple[type[BaseException], ...] = (RayActorError, ActorDiedError, ActorUnavailableError,
-                                                 ReplicaUnavailableError, DeploymentUnavailableError)
-"""What a handle call raises when the engine replica it went to is gone (node lost, actor killed)."""
+REPLICA_LOST: tuple[type[BaseException], ...] = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+"""What a handle call raises when the engine replica it went to is gone (node lost, actor killed);
+``RayActorError`` covers ``ActorDiedError`` and ``ActorUnavailableError``."""
 
 api = FastAPI(title="graftblock", docs_url=None, redoc_url=None, openapi_url=None)
 """The ingress app: routes are :class:`GraftblockRouter`'s methods; other paths get OpenAI error bodies."""
