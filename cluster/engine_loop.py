@@ -45,7 +45,8 @@ class EngineState(str, enum.Enum):
 
 
 class EngineFailure(RuntimeError):
-    """The engine thread raised; every request it held gets this error (HTTP 500)."""
+    """The engine thread raised; every request it held gets this error, its cause the exception
+    (HTTP 503 ``shard_unavailable`` for a lost target shard, else 500 ``engine_failed``)."""
 
 
 class ShutdownAbort(RuntimeError):
@@ -177,7 +178,9 @@ class EngineLoop:
             log.exception("engine thread failed")
             self.error, self.state = exc, EngineState.FAILED
             self.step_started = None
-            self._fail_all(EngineFailure(f"the engine failed: {type(exc).__name__}: {exc}"))
+            failure = EngineFailure(f"the engine failed: {type(exc).__name__}: {exc}")
+            failure.__cause__ = exc  # the service maps the cause to a status (a lost shard is a 503)
+            self._fail_all(failure)
 
     def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:
         cmds: list[_Add | _Abort | _Stop] = []

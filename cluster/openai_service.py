@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from cluster.backend import ShardTimeoutError
+from cluster.batch_backend import ShardLostError
 from cluster.detokenize import IncrementalDecoder
 from cluster.engine_loop import (POLL_S, EngineFactory, EngineFailure, EngineLoop, EngineState, ShutdownAbort,
                                  UpdateSink)
@@ -417,8 +419,8 @@ class OpenAIService:
             except TimeoutError:
                 pass
             if not self.engine.alive() and sink.queue.empty():
-                raise APIError(500, f"the engine is not running ({self.engine.state.value}: {self.engine.error})",
-                               ErrorType.SERVER, code="engine_failed")
+                raise self._engine_failed(f"the engine is not running ({self.engine.state.value}: "
+                                          f"{self.engine.error})", self.engine.error)
             stalled = self.engine.stalled_for()
             if stalled > self.config.stall_timeout_s:
                 raise APIError(503, f"the engine has been stuck in one step for {stalled:.0f} s "
@@ -464,6 +466,18 @@ class OpenAIService:
             n -= 1
         return max(n, 0)
 
+    def _engine_failed(self, message: str, cause: BaseException | None) -> APIError:
+        """The error for a request whose engine thread died of ``cause``.
+
+        A lost target shard (Ray did not re-place it within ``shard_restart_timeout_s``, or it kept
+        failing) is a transient loss of capacity: 503 ``shard_unavailable`` with ``Retry-After``, as
+        for a lost replica; the replica restarts once the shard can be placed again. Any other
+        cause is a server bug: 500 ``engine_failed``."""
+        if isinstance(cause, (ShardLostError, ShardTimeoutError)):
+            return APIError(503, message, ErrorType.OVERLOADED, code="shard_unavailable",
+                            headers={"Retry-After": str(self.config.retry_after_s)})
+        return APIError(500, message, ErrorType.SERVER, code="engine_failed")
+
     def _as_api_error(self, exc: BaseException) -> APIError:
         if isinstance(exc, APIError):
             return exc
@@ -475,7 +489,7 @@ class OpenAIService:
         if isinstance(exc, ShutdownAbort):
             return APIError(503, str(exc), ErrorType.OVERLOADED, code="shutting_down")
         if isinstance(exc, EngineFailure):
-            return APIError(500, str(exc), ErrorType.SERVER, code="engine_failed")
+            return self._engine_failed(str(exc), exc.__cause__)
         if isinstance(exc, ValueError):
             return bad_request(str(exc))
         return APIError(500, f"{type(exc).__name__}: {exc}", ErrorType.SERVER)
