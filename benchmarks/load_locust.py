@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         args.saturation = args.saturation or scfg.max_sequences * scfg.num_replicas
         server = {"model": scfg.model, "dtype": scfg.dtype.value, "method": scfg.method,
                   "max_sequences": scfg.max_sequences, "num_replicas": scfg.num_replicas,
-                  "max_waiting": scfg.max_waiting}
+                  "max_waiting": scfg.max_waiting,
+                  "prefill_chunk_tokens": scfg.batch.get("prefill_chunk_tokens"),
+                  "prefill_step_tokens": scfg.batch.get("prefill_step_tokens")}
     if not args.base_url or not args.model or not args.saturation:
         p.error("give --serve-config, or --base-url with --model and --saturation")
     stages = (tuple(int(x) for x in args.stages.split(",")) if args.stages else default_stages(args.saturation))

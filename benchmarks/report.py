@@ -89,6 +89,7 @@ GROUP_OF: dict[str, str] = {
     "ray_overhead_two_node": "serving",
     "load_locust": "serving",
     "load_locust_chunked_prefill": "serving",
+    "load_locust_whole_prefill": "serving",
     "serve_load_threads_1": "serving",
     "serve_load_threads_2": "serving",
     "ray_overhead": "serving",
@@ -128,10 +129,13 @@ GROUP_OF: dict[str, str] = {
 ARCHIVE_OF: dict[str, str] = {
     "concurrency_specbench_fp32_drafting_charged_to_vanilla": "concurrency_specbench_fp32",
     "serve_adaptive_learner": "serve_adaptive_learner_inbox",
+    "load_locust_chunked_prefill": "load_locust",
 }
 """Superseded result stem -> the run that superseded it. Conservative: only runs whose own title or
 note says they measured code since fixed (drafting charged to vanilla before the goodput fix; the
-learner's rounds inside ``feed`` before the inbox, which dropped 78% of the feedback)."""
+learner's rounds inside ``feed`` before the inbox, which dropped 78% of the feedback), or a
+setting that became the default and was measured again as such (chunked prefill in
+``serve_local.yaml``)."""
 
 
 def _load(stem: str) -> dict:
@@ -424,8 +428,8 @@ CLAIMS: tuple[Claim, ...] = (
           "A live OpenAI-compatible server keeps the offline engine's throughput (fp32, {host})", label="Serving"),
     Claim("load_locust", "Does overload stay clean (2x saturation)?", "0 5xx, none lost, p99 ITL ≤ 3x unloaded",
           _load_ramp, label="Load ramp (locust)"),
-    Claim("load_locust_chunked_prefill", "... with chunked prefill bounding each step's prompt tokens?",
-          "0 5xx, none lost, p99 ITL ≤ 3x unloaded", _load_ramp, label="Load ramp, chunked prefill"),
+    Claim("load_locust_whole_prefill", "... with whole-prompt prefills instead of the default chunks?",
+          "0 5xx, none lost, p99 ITL ≤ 3x unloaded", _load_ramp, label="Load ramp, whole-prompt prefill"),
     Claim("fuzz_api", "Does the API survive fuzzing (≥ 1,000 schemathesis cases)?",
           "0 5xx, every 4xx an OpenAI error body, healthy after", _fuzz, label="API fuzzing"),
     Claim("adapt_harmful_eagle3_fp32", "Does the swap guard roll back a harmful update?",

@@ -241,6 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = EngineConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     if not args.prompt or not args.prompt.strip():
         raise ValueError("prompt is empty: pass --prompt TEXT")
@@ -325,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True, help="the user turn to answer")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated, 1..65536")
     g.add_argument("--config", default=None, help="YAML: method name -> drafter options")
+    g.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="chunked prefill: at most this many prompt tokens per forward (the shipped serving "
+                        "config chunks by 32; the same flag here gives its greedy output bit for bit)")
     add_model_args(g)
     add_sampling_args(g)
     ray_cli.add_ray_args(g)

@@ -172,7 +172,7 @@ def test_the_sink_itself_is_a_hook_that_tells_sequences_apart():
 
 
 # ---------------------------------------------------------------------- updates and gain
-@pytest.mark.parametrize("family", ["eagle3", "specblock"])
+@pytest.mark.parametrize("family", ["eagle3", pytest.param("specblock", marks=pytest.mark.slow)])  # specblock: ~10 s
 def test_online_update_raises_heldout_replay_tau(family):
     buf = _buffer(family)
     drafter = _drafter(family)

@@ -170,6 +170,7 @@ def test_second_submission_refuses_and_leaves_live_trials_alone(tmp_path, ray_lo
     assert holder.current().owner == holder.owner
 
 
+@pytest.mark.slow  # starts several Python processes that each import MLflow (~13 s)
 def test_processes_opening_one_fresh_sqlite_store_together_all_get_the_experiment(tmp_path):
     """Two ``graftblock train`` started at once in one directory both create the schema of a new
     sqlite store; without the first-open lock one died with alembic's "expected to match one row"."""

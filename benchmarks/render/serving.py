@@ -63,13 +63,25 @@ def render_fuzz_api(res: dict) -> list[str]:
     return lines
 
 
+def _prefill_label(srv: dict) -> str:
+    """How the server prefilled arriving prompts (runs before the field was recorded: unknown)."""
+    if "prefill_chunk_tokens" not in srv:
+        return "prefill as in the command"
+    if srv["prefill_chunk_tokens"] is None:
+        return "whole-prompt prefill"
+    step = srv.get("prefill_step_tokens")
+    return (f"chunked prefill ({srv['prefill_chunk_tokens']}-token chunks"
+            + (f", {step} prompt tokens per step)" if step else ")"))
+
+
 @renderer("load_locust")
 def render_load_locust(res: dict) -> list[str]:
     """A locust ramp against a live server (``benchmarks/load_locust.py``)."""
     srv = res.get("server", {})
     lines = [f"Server: model **{srv.get('model', '?')}**, dtype **{srv.get('dtype', '?')}**, method "
              f"`{srv.get('method', '?')}`, {srv.get('max_sequences', '?')} sequences per step x "
-             f"{srv.get('num_replicas', '?')} replica(s), admission queue {srv.get('max_waiting', '?')}; "
+             f"{srv.get('num_replicas', '?')} replica(s), admission queue {srv.get('max_waiting', '?')}, "
+             f"{_prefill_label(srv)}; "
              f"closed-loop streaming chat users (locust {res['locust']}), greedy, {res['max_tokens']} max tokens, "
              f"{fmt(res['stage_seconds'], 0)} s per stage, dataset `{dataset_label(res['dataset'])}`. Saturating "
              f"concurrency S = {res['saturation']}. {res['requests_sent']} requests sent, **{res['lost']} lost**.", "",
