@@ -9,6 +9,7 @@ K levels per forward); the sampling-distribution test lives with the other draft
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -58,6 +59,17 @@ TINY = dict(tree_drafter=EAGLE3)
 
 def _target():
     return tiny_target(shared_tiny_llama(vocab_size=VOCAB, seed=42))
+
+
+@functools.lru_cache(maxsize=None)
+def _vanilla_cached(prompt: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(generate_vanilla(_target(), list(prompt), GREEDY).tokens)
+
+
+def _vanilla(prompt: list[int]) -> list[int]:
+    """Vanilla greedy (:data:`GREEDY`) of ``prompt`` on the shared model every test here uses,
+    decoded once per prompt: the settings below all compare with the same references."""
+    return list(_vanilla_cached(tuple(prompt)))
 
 
 def _drafter(target, **kw) -> GraftDrafter:
@@ -151,7 +163,7 @@ def test_greedy_equals_vanilla_for_every_stage_setting(kw):
     target = _target()
     drafter = RecordingDrafter(_drafter(target, **kw))
     for prompt in PROMPTS:
-        assert generate_speculative(target, drafter, prompt, GREEDY).tokens == generate_vanilla(target, prompt, GREEDY).tokens
+        assert generate_speculative(target, drafter, prompt, GREEDY).tokens == _vanilla(prompt)
     cfg = drafter.inner.config
     for p in drafter.proposals:
         k_max = int(p.stats["k_max"])
@@ -434,11 +446,11 @@ class StagedOracle:
 
 def _refs(target) -> tuple[EngineConfig, list[list[int]], list[list[int]]]:
     """(config, prompts, vanilla outputs) of :data:`PROMPTS`, for :func:`assert_lossless_on_refs`."""
-    return GREEDY, PROMPTS, [generate_vanilla(target, p, GREEDY).tokens for p in PROMPTS]
+    return GREEDY, PROMPTS, [_vanilla(p) for p in PROMPTS]
 
 
 def _oracle_graft(target, shift: int, prompts, **kw) -> GraftDrafter:
-    refs = {tuple(p): generate_vanilla(target, p, GREEDY).tokens for p in prompts}
+    refs = {tuple(p): _vanilla(p) for p in prompts}
     cfg = GraftConfig(**TINY, **kw)
     retrieval = RetrievalDrafter(cfg.retrieval(), VOCAB)
     cost = measure_cost_model(target, max_size=cfg.verify_curve_size()) if cfg.verify_curve_size() else None
@@ -505,7 +517,7 @@ def test_gate_stops_calling_a_drafter_that_is_never_accepted():
     d = RecordingDrafter(_oracle_graft(target, 1, PROMPTS, stages=(0, 2, 5), gate_warmup=2))
     last_steps = set()  # a sequence's final step is never observed (it ended), so it books no warm-up
     for prompt in PROMPTS:
-        assert generate_speculative(target, d, prompt, GREEDY).tokens == generate_vanilla(target, prompt, GREEDY).tokens
+        assert generate_speculative(target, d, prompt, GREEDY).tokens == _vanilla(prompt)
         last_steps.add(len(d.proposals) - 1)
     called = [p for p in d.proposals if p.drafter_forwards > 0]
     assert called and all(p.stats["gate_verdict"] == GateVerdict.WARMUP for p in called)  # only while warming up
@@ -523,7 +535,7 @@ def test_gate_always_calls_a_perfect_drafter():
     d = RecordingDrafter(_oracle_graft(target, 0, PROMPTS, stages=(0, 2, 5), threshold=0.0, gate_warmup=2,
                                        retrieval_budget=2))
     for prompt in PROMPTS:
-        assert generate_speculative(target, d, prompt, GREEDY).tokens == generate_vanilla(target, prompt, GREEDY).tokens
+        assert generate_speculative(target, d, prompt, GREEDY).tokens == _vanilla(prompt)
     assert all(p.stats["gate_call"] == 1.0 and p.drafter_forwards > 0 for p in d.proposals)
     assert any(p.stats["gate_verdict"] == GateVerdict.PAYS for p in d.proposals)
     for p in d.proposals:
@@ -551,7 +563,7 @@ def test_staged_oracle_alone_accepts_its_whole_chain():
     """The test drafter above, used on its own: shift 0 drafts the reference, so every step accepts
     all ``STANDALONE_DEPTH`` levels (until the end of the output); shift 1 is never accepted."""
     target = _target()
-    refs = {tuple(p): generate_vanilla(target, p, GREEDY).tokens for p in PROMPTS}
+    refs = {tuple(p): _vanilla(p) for p in PROMPTS}
     for shift, accepted in ((0, StagedOracle.STANDALONE_DEPTH), (1, 0)):
         for prompt in PROMPTS:
             res = generate_speculative(target, StagedOracle(refs, shift), prompt, GREEDY)

@@ -370,6 +370,7 @@ def test_no_candidate_is_trained_before_min_train_positions():
             ControllerConfig(min_train_positions=bad)
 
 
+@pytest.mark.slow  # ~4 s; the fast tier keeps the gate and rollback tests
 def test_explore_budget_bounds_what_refused_candidates_may_cost():
     """cost_aware trains a candidate only while the candidates the gate refused, plus this one's
     expected training, stay within explore_budget of the serving wall time. Before the first
@@ -475,6 +476,7 @@ def test_paired_guard_keeps_a_harmless_swap_that_meets_harder_text(mode, expect)
         assert math.isnan(closing.tau_replay_prev) and closing.realised_gain_s < 0
 
 
+@pytest.mark.slow  # ~5 s; the fast tier keeps the gate and rollback tests
 def test_audit_reverts_a_kept_update_when_live_tau_drops_because_of_it_and_not_when_the_text_got_harder():
     """After a kept update, live tau is read over consecutive windows; a drop triggers a replay of
     the start and the live weights on the window's text. Harder text (records served by an

@@ -417,6 +417,7 @@ def _train_cfg(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+@pytest.mark.slow  # ~5 s of training; tests/test_train.py trains EAGLE-3 in the fast tier
 def test_training_lowers_loss_raises_acceptance_and_resumes(tmp_path):
     target, data = _train_setup()
     first = Trainer(_train_cfg(max_tokens=1500), TRAIN_FAMILY, target, data, tmp_path / "run", "tiny", progress=False)
