@@ -62,14 +62,15 @@ def _target():
 
 
 @functools.lru_cache(maxsize=None)
-def _vanilla_cached(prompt: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(generate_vanilla(_target(), list(prompt), GREEDY).tokens)
+def _vanilla_of(model, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(generate_vanilla(tiny_target(model), list(prompt), GREEDY).tokens)
 
 
-def _vanilla(prompt: list[int]) -> list[int]:
-    """Vanilla greedy (:data:`GREEDY`) of ``prompt`` on the shared model every test here uses,
-    decoded once per prompt: the settings below all compare with the same references."""
-    return list(_vanilla_cached(tuple(prompt)))
+def _vanilla(target, prompt: list[int]) -> list[int]:
+    """Vanilla greedy (:data:`GREEDY`) of ``prompt`` on ``target``'s model, decoded once per model
+    and prompt: the settings below all compare with the same references (the shared model is
+    never modified)."""
+    return list(_vanilla_of(target.model, tuple(prompt)))
 
 
 def _drafter(target, **kw) -> GraftDrafter:
@@ -163,7 +164,7 @@ def test_greedy_equals_vanilla_for_every_stage_setting(kw):
     target = _target()
     drafter = RecordingDrafter(_drafter(target, **kw))
     for prompt in PROMPTS:
-        assert generate_speculative(target, drafter, prompt, GREEDY).tokens == _vanilla(prompt)
+        assert generate_speculative(target, drafter, prompt, GREEDY).tokens == _vanilla(target, prompt)
     cfg = drafter.inner.config
     for p in drafter.proposals:
         k_max = int(p.stats["k_max"])
@@ -446,11 +447,11 @@ class StagedOracle:
 
 def _refs(target) -> tuple[EngineConfig, list[list[int]], list[list[int]]]:
     """(config, prompts, vanilla outputs) of :data:`PROMPTS`, for :func:`assert_lossless_on_refs`."""
-    return GREEDY, PROMPTS, [_vanilla(p) for p in PROMPTS]
+    return GREEDY, PROMPTS, [_vanilla(target, p) for p in PROMPTS]
 
 
 def _oracle_graft(target, shift: int, prompts, **kw) -> GraftDrafter:
-    refs = {tuple(p): _vanilla(p) for p in prompts}
+    refs = {tuple(p): _vanilla(target, p) for p in prompts}
     cfg = GraftConfig(**TINY, **kw)
     retrieval = RetrievalDrafter(cfg.retrieval(), VOCAB)
     cost = measure_cost_model(target, max_size=cfg.verify_curve_size()) if cfg.verify_curve_size() else None
@@ -517,7 +518,7 @@ def test_gate_stops_calling_a_drafter_that_is_never_accepted():
     d = RecordingDrafter(_oracle_graft(target, 1, PROMPTS, stages=(0, 2, 5), gate_warmup=2))
     last_steps = set()  # a sequence's final step is never observed (it ended), so it books no warm-up
     for prompt in PROMPTS:
-        assert generate_speculative(target, d, prompt, GREEDY).tokens == _vanilla(prompt)
+        assert generate_speculative(target, d, prompt, GREEDY).tokens == _vanilla(target, prompt)
         last_steps.add(len(d.proposals) - 1)
     called = [p for p in d.proposals if p.drafter_forwards > 0]
     assert called and all(p.stats["gate_verdict"] == GateVerdict.WARMUP for p in called)  # only while warming up
@@ -535,7 +536,7 @@ def test_gate_always_calls_a_perfect_drafter():
     d = RecordingDrafter(_oracle_graft(target, 0, PROMPTS, stages=(0, 2, 5), threshold=0.0, gate_warmup=2,
                                        retrieval_budget=2))
     for prompt in PROMPTS:
-        assert generate_speculative(target, d, prompt, GREEDY).tokens == _vanilla(prompt)
+        assert generate_speculative(target, d, prompt, GREEDY).tokens == _vanilla(target, prompt)
     assert all(p.stats["gate_call"] == 1.0 and p.drafter_forwards > 0 for p in d.proposals)
     assert any(p.stats["gate_verdict"] == GateVerdict.PAYS for p in d.proposals)
     for p in d.proposals:
@@ -563,7 +564,7 @@ def test_staged_oracle_alone_accepts_its_whole_chain():
     """The test drafter above, used on its own: shift 0 drafts the reference, so every step accepts
     all ``STANDALONE_DEPTH`` levels (until the end of the output); shift 1 is never accepted."""
     target = _target()
-    refs = {tuple(p): _vanilla(p) for p in PROMPTS}
+    refs = {tuple(p): _vanilla(target, p) for p in PROMPTS}
     for shift, accepted in ((0, StagedOracle.STANDALONE_DEPTH), (1, 0)):
         for prompt in PROMPTS:
             res = generate_speculative(target, StagedOracle(refs, shift), prompt, GREEDY)
