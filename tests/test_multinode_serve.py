@@ -210,7 +210,7 @@ def test_a_target_sharded_one_shard_per_node_equals_the_twin_and_survives_losing
     class ShardedServer(Server):
         OVERRIDES = {"ray_address": local_cluster.gcs_address, "ray_num_cpus": None, "num_replicas": 1,
                      "replica_resources": {"CPU": 0, f"graftblock_{HEAD}": 0.5}, "target_shards": 2,
-                     "shard_cpus": 1, "shard_max_restarts": 5, "shard_restart_timeout_s": 20.0,
+                     "shard_cpus": 1, "shard_max_restarts": 5, "shard_restart_timeout_s": 10.0,
                      "stall_timeout_s": 60.0, "request_timeout_s": 90.0, "proxy_location": "HeadOnly"}
 
     srv = ShardedServer(tmp_path)
