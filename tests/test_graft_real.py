@@ -44,7 +44,7 @@ def _stages_seen(drafter: RecordingDrafter, stages: tuple[int, ...]) -> dict[int
 def test_every_stage_is_lossless_on_spec_bench(smol_fp32, spec_bench_refs):
     cfg = GraftConfig(stages=(0, 1, 5), threshold=0.4, gate_warmup=3, dense_budget=32)
     drafter = RecordingDrafter(build_graft_drafter(cfg, smol_fp32))
-    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs, 48)  # every reference token
+    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)  # every reference token
     seen = _stages_seen(drafter, cfg.stages)
     print(f"graft tau {tau:.2f}, steps per stage {seen}")
     _assert_gate_called_and_skipped(seen)
@@ -58,7 +58,7 @@ def test_graft_over_specblock_is_lossless_on_spec_bench(smol_fp32, spec_bench_re
     assert spec.config.stages == (0, 4, 8) and spec.config.tree_type == "specblock"
     drafter = RecordingDrafter(build_drafter(spec, smol_fp32))
     assert isinstance(drafter.inner.drafter, SpecBlockDrafter)
-    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs, 48)  # every reference token
+    tau = assert_lossless_on_refs(smol_fp32, drafter, spec_bench_refs)  # every reference token
     seen = _stages_seen(drafter, spec.config.stages)
     grafted = sum(p.stats["grafted"] > 0 for p in drafter.proposals)
     print(f"graft over specblock tau {tau:.2f}, steps per stage {seen}, steps with grafts {grafted}")
