@@ -54,6 +54,7 @@ GROUP_OF: dict[str, str] = {
     "workload_code_edit_concurrency_fp32": "workloads",
     "long_context_fp32": "workloads",
     "suffix_store_memory": "workloads",
+    "kv_sized": "workloads",
     "foundation_specbench_bf16": "drafters",
     "foundation_specbench_fp32": "drafters",
     "retrieval_scaling": "drafters",
@@ -357,6 +358,13 @@ def _data_scaling_tau(r: dict) -> str:
     return f"{fmt(best['points'][-1]['tau'])} ({best['label']}, {best['tokens']:,} tokens){extra}"
 
 
+def _kv_sized(r: dict) -> str:
+    f, z = r["runs"]["fixed"], r["runs"]["sized"]
+    return (f"peak KV {fmt(z['peak_bytes'] / 2**20, 0)} MiB sized vs {fmt(f['peak_bytes'] / 2**20, 0)} MiB fixed "
+            f"({fmt(r['peak_memory_ratio'])}×), wall {fmt(r['wall_ratio_sized_over_fixed'])}×, "
+            f"tokens identical: {r['identical_tokens']}")
+
+
 def _store_memory(r: dict) -> str:
     f, b = r["fill"], r["bounded"]
     return (f"{fmt(f['mib_per_million_tokens'], 0)} MiB per million stored tokens; a {b['capacity_tokens']}-token store "
@@ -384,6 +392,8 @@ CLAIMS: tuple[Claim, ...] = (
           "≥ 1.2× the better of vLLM n-gram / suffix (#41)", _workload, label="agentic vs vLLM suffix (fp32)"),
     Claim("long_context_fp32", "Does it pay on long documents (2K to 8K prompt tokens)?",
           "≥ 1.5× vanilla at 8K (#41)", _long_context, label="Long context (fp32)"),
+    Claim("kv_sized", "Are KV slots sized to the context a request needs?",
+          "memory follows the live requests, same tokens (#41)", _kv_sized, label="KV slots sized per request"),
     Claim("suffix_store_memory", "What does the cross-request suffix store cost in memory?",
           "bounded by its token capacity", _store_memory, label="Suffix store memory"),
     Claim("data_scaling_eagle3_bf16", "Does the target's own data train a better drafter than ShareGPT's answers?",

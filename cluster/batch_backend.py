@@ -132,7 +132,13 @@ class RaySlotPool:
         """Slots not held by a live sequence."""
         return len(self._free)
 
-    def acquire(self) -> int:
+    def can_hold(self, rows: int) -> bool:
+        """Whether a slot for ``rows`` KV rows is free (every slot holds ``max_tokens``)."""
+        return bool(self._free) and rows <= self.max_tokens
+
+    def acquire(self, rows: int | None = None) -> int:
+        if rows is not None and not 1 <= rows <= self.max_tokens:
+            raise ValueError(f"rows must be in [1, {self.max_tokens}] (the slot size), got {rows}")
         if not self._free:
             raise SlotsExhaustedError(f"all {self.max_sequences} KV slots are held by live sequences")
         return self._free.pop()
@@ -144,6 +150,10 @@ class RaySlotPool:
         self.compactions = [c for c in self.compactions if c.slot != slot]
         self._free.append(slot)
         self._free.sort(reverse=True)
+
+    def capacity(self, slot: int) -> int:
+        """KV rows ``slot`` holds on every shard: the fixed slot size."""
+        return self.max_tokens
 
 
 RaySlotState = SlotState[RaySlotPool]
@@ -205,8 +215,12 @@ class RayBatchTarget(RayTargetBackend):
         return self.batch_layout is BatchLayout.FLAT
 
     # ------------------------------------------------------------------ slot API
-    def new_slot_pool(self, max_sequences: int, max_tokens: int) -> RaySlotPool:
-        """A pool of ``max_sequences`` slots of ``max_tokens`` rows on every shard."""
+    def new_slot_pool(self, max_sequences: int, max_tokens: int, token_budget: int | None = None) -> RaySlotPool:
+        """A pool of ``max_sequences`` slots of ``max_tokens`` rows on every shard. The shards keep
+        fixed slots, so ``token_budget`` (slots sized per request) is refused."""
+        if token_budget is not None:
+            raise ValueError("batch.kv_token_budget sizes KV slots per request in process only; the shards of "
+                             "a RayBatchTarget hold fixed slots of batch.max_tokens_per_sequence rows: leave it unset")
         pool = RaySlotPool(f"{self._tag}-pool-{next(self._pool_ids)}", max_sequences, max_tokens)
         self._with_recovery(lambda: [[s.new_pool.remote(pool.pool_id, max_sequences, max_tokens)]
                                      for s in self.shards], "new_pool")
@@ -216,13 +230,14 @@ class RayBatchTarget(RayTargetBackend):
         return pool
 
     def prefill_slot(
-        self, pool: RaySlotPool, ids: list[int], need_aux: bool = False
+        self, pool: RaySlotPool, ids: list[int], need_aux: bool = False, rows: int | None = None
     ) -> tuple[RaySlotState, torch.Tensor, torch.Tensor | None]:
-        """The prompt's prefill (the solo forward), its rows stored in a free slot on every shard.
-        Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
+        """The prompt's prefill (the solo forward), its rows stored in a free slot on every shard
+        (``rows``: checked against the fixed slot size). Returns (state, next-token logits ``[V]``,
+        aux ``[n, 3H]`` or None)."""
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
-        slot = pool.acquire()
+        slot = pool.acquire(rows)
         step = StepInput(kind=StepKind.PREFILL, tokens=np.asarray(ids, dtype=np.int64),
                          aux_layers=self.aux_layers if need_aux else ())
 
@@ -250,12 +265,12 @@ class RayBatchTarget(RayTargetBackend):
             raise ValueError("verify_batch needs one tree per state, at least one")
         return self.step_batch(states, trees, [], need_aux=need_aux)[0]
 
-    def empty_slot(self, pool: RaySlotPool) -> RaySlotState:
+    def empty_slot(self, pool: RaySlotPool, rows: int | None = None) -> RaySlotState:
         """A free slot of ``pool`` holding nothing yet, for a prompt that :meth:`step_batch` prefills."""
         if not self.folds_prefills:
             raise RuntimeError("prefills fold into the batched step only when every shard runs flat rows "
                                "(use prefill_slot)")
-        return SlotState(pool=pool, slot=pool.acquire(), length=0, tokens=[])
+        return SlotState(pool=pool, slot=pool.acquire(rows), length=0, tokens=[])
 
     def step_batch(
         self,

@@ -767,6 +767,12 @@ class BatchConfig:
     A request needs ``len(prompt) + max_new_tokens <= max_tokens_per_sequence``; one that never
     fits is refused at ``add``; one that fits waits for a free slot. Live sequences are never
     evicted; a draft tree is cut (best nodes first) to the rows left in its slot.
+
+    With ``kv_token_budget`` the slots are sized per request instead
+    (:class:`~speculation.model.kv_slots.SizedKVSlotPool`): a request's slot holds
+    ``min(max_tokens_per_sequence, len(prompt) + max_new_tokens + max_tree_tokens)`` rows, and a
+    waiting request is admitted while the live slots' rows sum to at most the budget, so memory
+    follows the contexts actually served, not ``S * L``.
     """
 
     max_sequences: int = 8
@@ -775,6 +781,10 @@ class BatchConfig:
     """KV rows per slot: prompt + generated tokens + the tree being verified. Range [2, 1048576]."""
     max_tree_tokens: int = 64
     """Largest tree (root included) one sequence may verify per step. Range [1, 4096]."""
+    kv_token_budget: int | None = None
+    """KV rows held by all live slots together when slots are sized per request (in process
+    only; the Ray shards keep fixed slots). None = fixed slots of ``max_tokens_per_sequence`` rows,
+    allocated at once. Range [2, 1048576 * 1024]."""
     step_token_budget: int | None = None
     """Tree tokens (roots included) verified per step over the whole batch; None = no batch cap
     (each sequence gets ``max_tree_tokens``). Must be >= max_sequences (every live sequence
@@ -819,6 +829,8 @@ class BatchConfig:
         _check_int(o, "max_sequences", self.max_sequences, 1, 1024)
         _check_int(o, "max_tokens_per_sequence", self.max_tokens_per_sequence, 2, 1 << 20)
         _check_int(o, "max_tree_tokens", self.max_tree_tokens, 1, 4096)
+        if self.kv_token_budget is not None:
+            _check_int(o, "kv_token_budget", self.kv_token_budget, 2, 1 << 30)
         if self.step_token_budget is not None:
             _check_int(o, "step_token_budget", self.step_token_budget, self.max_sequences, 1 << 20)
         if not isinstance(self.goodput, bool):

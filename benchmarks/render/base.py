@@ -81,6 +81,7 @@ SECTIONS: dict[str, str] = {
     "workload_code_edit_concurrency_fp32": "Workload code_edit under load: N = 1 and 8 with the goodput rule (fp32)",
     "long_context_fp32": "Long context: c(T, L) to 8K and the longdoc workloads (fp32)",
     "suffix_store_memory": "Cross-request suffix store: memory per million tokens",
+    "kv_sized": "KV slots sized per request against fixed slots: memory on a long/short mix (fp32)",
     "data_scaling_eagle3_bf16": "EAGLE-3 trained on ShareGPT's answers against the target's own (self-distilled), at equal training tokens (bf16)",
     "data_scaling_specblock_bf16": "SpecBlock trained on ShareGPT's answers against the target's own (self-distilled), at equal training tokens (bf16)",
     "foundation_specbench_bf16": "Foundation: retrieval drafter vs vanilla and Hugging Face peers (bf16)",

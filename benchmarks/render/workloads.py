@@ -30,6 +30,24 @@ def render_suffix_store_memory(res: dict) -> list[str]:
     return lines
 
 
+@renderer("kv_sized")
+def render_kv_sized(res: dict) -> list[str]:
+    """Fixed KV slots against slots sized per request: pool bytes, wall time, identical tokens."""
+    lines = [f"Model **{res['model']}**, dtype **{res['dtype']}**. {res['max_sequences']} requests queued at once, "
+             f"prompts of {', '.join(str(n) for n in res['prompt_tokens'])} tokens, {res['new_tokens']} new tokens "
+             f"each (greedy, retrieval); every slot may hold {res['slot_rows']} rows. `sized` has "
+             "`batch.kv_token_budget` = the fixed pool's rows, so both admit the same requests at the same steps.", "",
+             "| mode | peak KV MiB | mean KV MiB | steps | wall s (median of runs) | runs |", "|---|---|---|---|---|---|"]
+    for mode in ("fixed", "sized"):
+        r = res["runs"][mode]
+        lines.append(f"| {mode} | {fmt(r['peak_bytes'] / 2**20, 0)} | {fmt(r['mean_bytes'] / 2**20, 0)} | {r['steps']} | "
+                     f"{fmt(r['median_wall_s'])} | {', '.join(fmt(w) for w in r['wall_s'])} |")
+    lines += ["", f"Peak memory sized / fixed: **{fmt(res['peak_memory_ratio'])}**; wall sized / fixed: "
+              f"{fmt(res['wall_ratio_sized_over_fixed'])}; tokens identical in every run: "
+              f"**{res['identical_tokens']}**."]
+    return lines
+
+
 @renderer("long_context")
 def render_long_context(res: dict) -> list[str]:
     """c(T, L) from 512 to 8K tokens, then each longdoc workload's methods against vanilla."""

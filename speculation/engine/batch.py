@@ -164,7 +164,8 @@ class BatchEngine:
         self.drafter_factory = drafter_factory
         self.config = config
         self.feedback = feedback
-        self.pool = target.new_slot_pool(config.max_sequences, config.max_tokens_per_sequence)
+        self.pool = target.new_slot_pool(config.max_sequences, config.max_tokens_per_sequence,
+                                         token_budget=config.kv_token_budget)
         self.prefix_cache = prefix_cache
         """Prompt rows of earlier requests, shared by every sequence (None: every prompt is prefilled whole)."""
         if prefix_cache is not None:
@@ -220,6 +221,13 @@ class BatchEngine:
                 f"request {rid!r} can never fit: prompt of {len(request.prompt_ids)} tokens + max_new_tokens "
                 f"{request.max_new_tokens} = {need} KV rows, but each slot holds "
                 f"batch.max_tokens_per_sequence={limit}"
+            )
+        budget = self.config.kv_token_budget
+        if budget is not None and need > budget:
+            raise AdmissionError(
+                f"request {rid!r} can never fit: prompt of {len(request.prompt_ids)} tokens + max_new_tokens "
+                f"{request.max_new_tokens} = {need} KV rows, but all slots together hold "
+                f"batch.kv_token_budget={budget}"
             )
         try:
             self.target.check_fits(len(request.prompt_ids), request.max_new_tokens)
@@ -283,7 +291,7 @@ class BatchEngine:
         prefill_tokens: dict[str, list[int]] = {}
         arriving, used = self._continuing()  # chunked prompts go on first
         budget, chunk = self.config.prefill_step_tokens, self.config.prefill_chunk_tokens
-        while self._waiting and self.pool.free:
+        while self._waiting and self.pool.can_hold(self._slot_rows(self._waiting[0])):
             if budget is not None and chunk is not None:  # a budget is set only with chunking (prompts fold)
                 first = min(len(self._waiting[0].prompt_ids), chunk)
                 if arriving and used + first > budget:  # admitted at a later step, when its first chunk fits
@@ -303,6 +311,13 @@ class BatchEngine:
             updates.extend(self._verify_step(prefill_tokens, arriving))
         self.steps_run += 1
         return updates
+
+    def _slot_rows(self, request: Request) -> int:
+        """KV rows ``request``'s slot asks for: prompt + new tokens + one full tree, within the slot
+        size and the token budget (a tree is cut to the rows left, as at the slot's end)."""
+        cfg = self.config
+        rows = len(request.prompt_ids) + request.max_new_tokens + cfg.max_tree_tokens
+        return min(rows, cfg.max_tokens_per_sequence, cfg.kv_token_budget or rows)
 
     @property
     def _folds(self) -> bool:
@@ -334,7 +349,8 @@ class BatchEngine:
         """A request whose prompt this step's forward prefills (into an empty slot), after the rows
         of its longest cached prefix when a prefix cache is on."""
         seq = self._new_sequence(request)
-        arrived = _Live(request, seq, self.target.empty_slot(self.pool), self.budget.new_sequence())
+        arrived = _Live(request, seq, self.target.empty_slot(self.pool, self._slot_rows(request)),
+                        self.budget.new_sequence())
         if self.prefix_cache is not None:
             hit = self.prefix_cache.lookup(seq.prompt_ids, need_aux=seq.needs_aux)
             if hit is not None:
@@ -351,13 +367,14 @@ class BatchEngine:
             return
         pool = cast(KVSlotPool, self.pool)
         s = arrived.state.held_slot()
-        layers = [LayerRows(k[s : s + 1], v[s : s + 1]) for k, v in zip(pool.keys, pool.values, strict=True)]
+        layers = [LayerRows(k, v) for k, v in pool.slot_layers(s)]
         self.prefix_cache.store(arrived.seq.prompt_ids, layers, prompt_aux if arrived.seq.needs_aux else None)
 
     def _admit(self, request: Request) -> list[int]:
         """Prefill ``request`` in its own forward (the unfolded path), choose its first token."""
         seq = self._new_sequence(request)
-        state, logits, prompt_aux = self.target.prefill_slot(self.pool, seq.prompt_ids, need_aux=seq.needs_aux)
+        state, logits, prompt_aux = self.target.prefill_slot(self.pool, seq.prompt_ids, need_aux=seq.needs_aux,
+                                                             rows=self._slot_rows(request))
         try:
             kept = seq.start(logits, prompt_aux)
         except BaseException:
@@ -374,7 +391,7 @@ class BatchEngine:
         """Per sequence: the most tree nodes (root included) it may verify this step (without the
         goodput rule, a step budget is split equally)."""
         cfg = self.config
-        caps = [min(cfg.max_tree_tokens, self.pool.max_tokens - lv.state.length) for lv in lives]
+        caps = [min(cfg.max_tree_tokens, self.pool.capacity(lv.state.held_slot()) - lv.state.length) for lv in lives]
         if cfg.step_token_budget is not None and not self.budget.active:
             share = max(1, cfg.step_token_budget // len(lives))
             caps = [min(c, share) for c in caps]

@@ -35,7 +35,11 @@ class ReleasedSequenceError(ValueError):
 
 @runtime_checkable
 class SlotPool(Protocol):
-    """What a sequence's pool offers the engine: its slot size and free slots."""
+    """What a sequence's pool offers the engine: its slot size and free slots.
+
+    A pool either gives every slot ``max_tokens`` rows, or sizes each slot to the rows its request
+    asks for at :meth:`acquire` within a token budget
+    (:class:`~speculation.model.kv_slots.SizedKVSlotPool`)."""
 
     max_sequences: int
     max_tokens: int
@@ -45,8 +49,17 @@ class SlotPool(Protocol):
         """Slots not held by a live sequence."""
         ...
 
-    def acquire(self) -> int:
-        """A free slot's index (the lowest); raises when none is free."""
+    def can_hold(self, rows: int) -> bool:
+        """Whether a slot for a request of ``rows`` KV rows can be acquired now."""
+        ...
+
+    def acquire(self, rows: int | None = None) -> int:
+        """A free slot's index (the lowest) for a request of ``rows`` KV rows (None: ``max_tokens``);
+        raises when none is free or the rows do not fit."""
+        ...
+
+    def capacity(self, slot: int) -> int:
+        """KV rows the held ``slot`` holds (``max_tokens`` unless the pool sizes slots per request)."""
         ...
 
     def release(self, slot: int) -> None:
@@ -113,21 +126,24 @@ class BatchTarget(Protocol):
         ``prompt_len`` tokens plus ``max_new_tokens`` exceeds the model's context."""
         ...
 
-    def new_slot_pool(self, max_sequences: int, max_tokens: int) -> SlotPool:
-        """A pool of ``max_sequences`` slots of ``max_tokens`` KV rows each (allocated once)."""
+    def new_slot_pool(self, max_sequences: int, max_tokens: int, token_budget: int | None = None) -> SlotPool:
+        """A pool of ``max_sequences`` slots of ``max_tokens`` KV rows each (allocated once), or, with
+        ``token_budget``, slots sized per request whose rows sum to at most ``token_budget``
+        (a target that cannot size slots raises ValueError naming ``batch.kv_token_budget``)."""
         ...
 
     def prefill_slot(
-        self, pool: SlotPool, ids: list[int], need_aux: bool = False
+        self, pool: SlotPool, ids: list[int], need_aux: bool = False, rows: int | None = None
     ) -> tuple[SlotState, torch.Tensor, torch.Tensor | None]:
-        """Prefill ``ids`` (n tokens) into a free slot of ``pool`` in its own forward.
+        """Prefill ``ids`` (n tokens) into a free slot of ``pool`` (of ``rows`` KV rows, None: the
+        pool's slot size) in its own forward.
 
         Returns (state holding n rows, next-token logits ``[V]``, aux features ``[n, 3H]`` or None).
         """
         ...
 
-    def empty_slot(self, pool: SlotPool) -> SlotState:
-        """A free slot of ``pool`` holding nothing yet, for a prompt :meth:`step_batch` prefills
+    def empty_slot(self, pool: SlotPool, rows: int | None = None) -> SlotState:
+        """A free slot of ``pool`` (of ``rows`` KV rows) holding nothing yet, for a prompt :meth:`step_batch` prefills
         (only where :attr:`folds_prefills`; raises RuntimeError otherwise)."""
         ...
 

@@ -22,6 +22,14 @@ no padding): :meth:`SlotBatchCache.write` scatters its new rows, and :meth:`Slot
 hands attention each row's own keys ``K[l][s_b : s_b + 1, :, : n_b + T_b]`` (a view, no slab, no
 copy), so row b's attention is the very call a solo forward of that sequence makes.
 
+:class:`SizedKVSlotPool` sizes each slot to its request instead: slot ``s`` is its own
+``K[l][s] : [1, H_kv, C_s, D]`` with ``C_s`` the rows the request asked for at :meth:`~SizedKVSlotPool.acquire`
+(prompt + new tokens + one tree, at most ``L``), allocated then and freed at release, and the pool
+admits a request only while ``sum_s C_s <= token_budget``. So memory follows the live requests'
+contexts (``2 * sum_s C_s * H_kv * D`` values per layer) instead of ``S * L``: one 8K-token document
+and seven short chats fit where eight 8K slots would not. Row views, writes and compactions act on
+the slot's own tensor, so a sequence's attention calls are the same as in the fixed pool.
+
 After acceptance, :meth:`KVSlotPool.compact` moves the accepted rows ``n + accepted`` to
 ``n .. n + m`` inside the slot (m + 1 rows per layer) and the valid length becomes ``n + m + 1``.
 """
@@ -66,7 +74,15 @@ class KVSlotPool:
         """Slots not held by a live sequence."""
         return len(self._free)
 
-    def acquire(self) -> int:
+    def can_hold(self, rows: int) -> bool:
+        """Whether :meth:`acquire` of a slot for ``rows`` KV rows would succeed now."""
+        return bool(self._free) and rows <= self.max_tokens
+
+    def acquire(self, rows: int | None = None) -> int:
+        """The lowest free slot; ``rows`` (at most ``max_tokens``): the KV rows its request needs
+        (every slot of this pool holds ``max_tokens``)."""
+        if rows is not None and not 1 <= rows <= self.max_tokens:
+            raise ValueError(f"rows must be in [1, {self.max_tokens}] (the slot size), got {rows}")
         if not self._free:
             raise SlotsExhaustedError(f"all {self.max_sequences} KV slots are held by live sequences")
         return self._free.pop()
@@ -77,25 +93,26 @@ class KVSlotPool:
         self._free.append(slot)
         self._free.sort(reverse=True)
 
+    def capacity(self, slot: int) -> int:
+        """KV rows ``slot`` holds (committed tokens plus the tree being verified)."""
+        return self.max_tokens
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    # ------------------------------------------------------------------ KV rows
-    @torch.inference_mode()
-    def load_prefix(self, slot: int, layers: list) -> int:
-        """Copy a prefill cache's rows (per layer ``keys``/``values`` ``[1, H_kv, n, D]``) into rows
-        ``0..n`` of ``slot``; returns n."""
-        if len(layers) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} cache layers, got {len(layers)}")
-        n = int(layers[0].keys.shape[-2])
-        if n > self.max_tokens:
-            raise ValueError(f"prefix of {n} tokens exceeds the slot size {self.max_tokens}")
-        _, h, _, d = layers[0].keys.shape
-        self.allocate(h, d, layers[0].keys.dtype, layers[0].keys.device)
-        for k, v, layer in zip(self.keys, self.values, layers):
-            k[slot, :, :n] = layer.keys[0]
-            v[slot, :, :n] = layer.values[0]
-        return n
+    # ------------------------------------------------------------------ storage
+    @property
+    def allocated(self) -> bool:
+        """Whether the KV shape (heads, head size, dtype, device) is known and storage exists."""
+        return bool(self.keys)
+
+    def slot_kv(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool layer ``layer``'s keys and values of ``slot``: ``[1, H_kv, C, D]`` views, C = :meth:`capacity`."""
+        return self.keys[layer][slot : slot + 1], self.values[layer][slot : slot + 1]
+
+    def slot_layers(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's :meth:`slot_kv` of ``slot``."""
+        return [self.slot_kv(i, slot) for i in range(self.num_layers)]
 
     def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate every layer's ``[S, H_kv, L, D]`` keys and values once (later calls: no-op)."""
@@ -107,6 +124,40 @@ class KVSlotPool:
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
 
+    def scatter(self, layer: int, plan: _WritePlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write one forward's new rows of pool layer ``layer`` (``[B, H_kv, T_max, D]`` padded, or
+        ``[1, H_kv, sum T_b, D]`` flat) at their slots' positions: one indexed write for all rows."""
+        k_all, v_all = self.keys[layer], self.values[layer]
+        k_all[plan.dst_slot, :, plan.dst_pos] = key_states[plan.src_row, :, plan.src_col].to(k_all.dtype)
+        v_all[plan.dst_slot, :, plan.dst_pos] = value_states[plan.src_row, :, plan.src_col].to(v_all.dtype)
+
+    def slab(self, layer: int, plan: _WritePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded batch's keys and values ``[B, H_kv, L_max, D]`` (a view when the slots are one
+        contiguous range, else a gather)."""
+        k_all, v_all = self.keys[layer], self.values[layer]
+        if plan.contiguous is not None:
+            lo, hi = plan.contiguous
+            return k_all[lo:hi, :, : plan.kv_len], v_all[lo:hi, :, : plan.kv_len]
+        return k_all[plan.slots, :, : plan.kv_len], v_all[plan.slots, :, : plan.kv_len]
+
+    # ------------------------------------------------------------------ KV rows
+    @torch.inference_mode()
+    def load_prefix(self, slot: int, layers: list) -> int:
+        """Copy a prefill cache's rows (per layer ``keys``/``values`` ``[1, H_kv, n, D]``) into rows
+        ``0..n`` of ``slot``; returns n."""
+        if len(layers) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} cache layers, got {len(layers)}")
+        n = int(layers[0].keys.shape[-2])
+        if n > self.capacity(slot):
+            raise ValueError(f"prefix of {n} tokens exceeds the slot size {self.capacity(slot)}")
+        _, h, _, d = layers[0].keys.shape
+        self.allocate(h, d, layers[0].keys.dtype, layers[0].keys.device)
+        for i, layer in enumerate(layers):
+            k, v = self.slot_kv(i, slot)
+            k[0, :, :n] = layer.keys[0]
+            v[0, :, :n] = layer.values[0]
+        return n
+
     @torch.inference_mode()
     def compact(self, slot: int, base: int, accepted: list[int]) -> None:
         """Move rows ``base + accepted`` of ``slot`` to ``base .. base + m`` (accepted[0] = 0)."""
@@ -114,16 +165,123 @@ class KVSlotPool:
             raise ValueError("accepted path must start at the root (node 0)")
         if accepted == list(range(len(accepted))):
             return  # already in place
-        src = torch.tensor([base + a for a in accepted], device=self.keys[0].device)
+        src = torch.tensor([base + a for a in accepted], device=self.slot_kv(0, slot)[0].device)
         m1 = len(accepted)
-        for k, v in zip(self.keys, self.values):
-            k[slot, :, base : base + m1] = k[slot].index_select(1, src)
-            v[slot, :, base : base + m1] = v[slot].index_select(1, src)
+        for i in range(self.num_layers):
+            for t in self.slot_kv(i, slot):
+                rows = t[0]  # [H_kv, C, D]
+                rows[:, base : base + m1] = rows.index_select(1, src)
 
     def batch_cache(self, slots: list[int], bases: list[int], sizes: list[int], flat: bool = False) -> SlotBatchCache:
         """The ``Cache`` for one batched forward: row b writes ``sizes[b]`` tokens at ``bases[b]``
         (``flat``: the rows' tokens packed one after another, module docstring)."""
         return SlotBatchCache(self, slots, bases, sizes, flat=flat)
+
+
+class SizedKVSlotPool(KVSlotPool):
+    """Slots sized to their requests (module docstring): :meth:`acquire` takes the rows a request
+    needs, and the pool admits requests while their rows sum to at most ``token_budget``.
+
+    Slot ``s``'s tensors ``[1, H_kv, C_s, D]`` (zeros) are allocated when the KV shape is known (at
+    :meth:`allocate`, or the first :meth:`load_prefix`) and dropped at :meth:`release`.
+    """
+
+    def __init__(self, num_layers: int, max_sequences: int, max_tokens: int, token_budget: int,
+                 first_layer: int = 0) -> None:
+        super().__init__(num_layers, max_sequences, max_tokens, first_layer)
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        self.token_budget = token_budget
+        self._rows: dict[int, int] = {}  # held slot -> C_s
+        self._shape: tuple[int, int, torch.dtype, torch.device] | None = None
+        self._slot_keys: dict[int, list[torch.Tensor]] = {}  # slot -> per layer [1, H_kv, C_s, D]
+        self._slot_values: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV rows held by live slots (``sum_s C_s``)."""
+        return sum(self._rows.values())
+
+    def can_hold(self, rows: int) -> bool:
+        return bool(self._free) and rows <= self.max_tokens and self.reserved_tokens + rows <= self.token_budget
+
+    def acquire(self, rows: int | None = None) -> int:
+        """The lowest free slot, sized to ``rows`` KV rows (None: ``max_tokens``)."""
+        rows = self.max_tokens if rows is None else rows
+        if not 1 <= rows <= self.max_tokens:
+            raise ValueError(f"rows must be in [1, {self.max_tokens}] (the slot size), got {rows}")
+        if self.reserved_tokens + rows > self.token_budget:
+            raise SlotsExhaustedError(f"a slot of {rows} KV rows does not fit: {self.reserved_tokens} of the "
+                                      f"token_budget of {self.token_budget} rows are held by live sequences")
+        slot = super().acquire()
+        self._rows[slot] = rows
+        if self._shape is not None:
+            self._materialize(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self._rows.pop(slot, None)
+        self._slot_keys.pop(slot, None)
+        self._slot_values.pop(slot, None)
+
+    def capacity(self, slot: int) -> int:
+        if slot not in self._rows:
+            raise ValueError(f"slot {slot} is not held")
+        return self._rows[slot]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for ts in (*self._slot_keys.values(), *self._slot_values.values()) for t in ts)
+
+    @property
+    def allocated(self) -> bool:
+        return self._shape is not None
+
+    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Record the KV shape (first call) and give every held slot its tensors."""
+        if self._shape is None:
+            self._shape = (kv_heads, head_dim, dtype, device)
+        for slot in self._rows:
+            self._materialize(slot)
+
+    def _materialize(self, slot: int) -> None:
+        if slot in self._slot_keys or self._shape is None:
+            return
+        h, d, dtype, device = self._shape
+        shape = (1, h, self._rows[slot], d)
+        # zeros, not empty: masked stale rows must be finite (0 * NaN would poison P @ V)
+        self._slot_keys[slot] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self._slot_values[slot] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+
+    def slot_kv(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if slot not in self._slot_keys:
+            raise ValueError(f"slot {slot} has no KV rows (not held, or the pool's KV shape is not known yet)")
+        return self._slot_keys[slot][layer], self._slot_values[slot][layer]
+
+    def scatter(self, layer: int, plan: _WritePlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """One write per row: row b's ``T_b`` new rows go to rows ``n_b .. n_b + T_b`` of its slot."""
+        off = 0
+        for b, (slot, n, t) in enumerate(zip(plan.slot_list, plan.bases, plan.sizes)):
+            k, v = self.slot_kv(layer, slot)
+            r, c0 = (0, off) if plan.flat else (b, 0)  # flat: row b's tokens follow row b - 1's
+            k[0, :, n : n + t] = key_states[r, :, c0 : c0 + t].to(k.dtype)
+            v[0, :, n : n + t] = value_states[r, :, c0 : c0 + t].to(v.dtype)
+            off += t
+
+    def slab(self, layer: int, plan: _WritePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row b's first ``min(C_b, L_max)`` rows, zero padded to ``[B, H_kv, L_max, D]`` (a copy;
+        rows past ``n_b + T_b`` are masked)."""
+        k0, v0 = self.slot_kv(layer, plan.slot_list[0])
+        b, h, d = len(plan.slot_list), k0.shape[1], k0.shape[-1]
+        ks = k0.new_zeros((b, h, plan.kv_len, d))
+        vs = v0.new_zeros((b, h, plan.kv_len, v0.shape[-1]))
+        for row, slot in enumerate(plan.slot_list):
+            k, v = self.slot_kv(layer, slot)
+            e = min(k.shape[-2], plan.kv_len)
+            ks[row, :, :e] = k[0, :, :e]
+            vs[row, :, :e] = v[0, :, :e]
+        return ks, vs
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -143,22 +301,14 @@ class _SlotLayer(CacheLayerMixin):
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Scatter the new rows (``[B, H_kv, T_max, D]`` padded, or ``[1, H_kv, sum T_b, D]`` flat)
         into their slots."""
-        p = self.plan
-        k_all, v_all = self.pool.keys[self.layer_idx], self.pool.values[self.layer_idx]
-        k_all[p.dst_slot, :, p.dst_pos] = key_states[p.src_row, :, p.src_col].to(k_all.dtype)
-        v_all[p.dst_slot, :, p.dst_pos] = value_states[p.src_row, :, p.src_col].to(v_all.dtype)
+        self.pool.scatter(self.layer_idx, self.plan, key_states, value_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """``key_states``: ``[B, H_kv, T_max, D]``; returns the slab ``[B, H_kv, L_max, D]`` twice."""
-        p = self.plan
-        if p.flat:
+        if self.plan.flat:
             raise RuntimeError("a flat batch cache has no slab: attend per row through SlotBatchCache.row_kv")
         self.write(key_states, value_states)
-        k_all, v_all = self.pool.keys[self.layer_idx], self.pool.values[self.layer_idx]
-        if p.contiguous is not None:
-            lo, hi = p.contiguous
-            return k_all[lo:hi, :, : p.kv_len], v_all[lo:hi, :, : p.kv_len]
-        return k_all[p.slots, :, : p.kv_len], v_all[p.slots, :, : p.kv_len]
+        return self.pool.slab(self.layer_idx, self.plan)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.plan.kv_len, 0
@@ -201,11 +351,12 @@ class SlotBatchCache(Cache):
     def __init__(
         self, pool: KVSlotPool, slots: list[int], bases: list[int], sizes: list[int], flat: bool = False
     ) -> None:
-        if not pool.keys:
+        if not pool.allocated:
             raise ValueError("the KV pool is empty: load a prefix first")
-        if max(n + t for n, t in zip(bases, sizes)) > pool.max_tokens:
-            raise ValueError(f"a row would write past the slot size {pool.max_tokens}")
-        plan = _WritePlan(slots, bases, sizes, pool.keys[0].device, flat=flat)
+        for s, n, t in zip(slots, bases, sizes):
+            if n + t > pool.capacity(s):
+                raise ValueError(f"a row would write past the slot size {pool.capacity(s)}")
+        plan = _WritePlan(slots, bases, sizes, pool.slot_kv(0, slots[0])[0].device, flat=flat)
         absent = [DummyLayer() for _ in range(pool.first_layer)]  # another shard's layers
         super().__init__(layers=[*absent, *(_SlotLayer(pool, i, plan) for i in range(pool.num_layers))])
         self.plan = plan
@@ -220,6 +371,6 @@ class SlotBatchCache(Cache):
         """Row ``row``'s keys and values of layer ``layer_idx`` after :meth:`write`: its committed
         rows and its tree, ``[1, H_kv, n_b + T_b, D]`` each (views into the pool)."""
         p = self.plan
-        s, end = p.slot_list[row], p.bases[row] + p.sizes[row]
-        i = layer_idx - self.pool.first_layer
-        return self.pool.keys[i][s : s + 1, :, :end], self.pool.values[i][s : s + 1, :, :end]
+        end = p.bases[row] + p.sizes[row]
+        k, v = self.pool.slot_kv(layer_idx - self.pool.first_layer, p.slot_list[row])
+        return k[:, :, :end], v[:, :, :end]

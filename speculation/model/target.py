@@ -302,22 +302,25 @@ class TargetModel:
         return torch.cat([hidden_states[i][row] for i in self.aux_layers], dim=-1)
 
     # ------------------------------------------------------------------ continuous batching (slots)
-    def new_slot_pool(self, max_sequences: int, max_tokens: int) -> KVSlotPool:
-        """A KV pool of ``max_sequences`` slots of ``max_tokens`` rows for this model."""
+    def new_slot_pool(self, max_sequences: int, max_tokens: int, token_budget: int | None = None) -> KVSlotPool:
+        """A KV pool of ``max_sequences`` slots of ``max_tokens`` rows for this model; with
+        ``token_budget``, slots sized per request (:class:`~speculation.model.kv_slots.SizedKVSlotPool`)."""
         # Imported here: the vLLM proposer imports this module in .venv-vllm, whose transformers
         # lacks the cache classes kv_slots builds on.
-        from speculation.model.kv_slots import KVSlotPool
+        from speculation.model.kv_slots import KVSlotPool, SizedKVSlotPool
 
+        if token_budget is not None:
+            return SizedKVSlotPool(self.num_layers, max_sequences, max_tokens, token_budget)
         return KVSlotPool(self.num_layers, max_sequences, max_tokens)
 
     @torch.inference_mode()
     def prefill_slot(
-        self, pool: KVSlotPool, ids: list[int], need_aux: bool = False
+        self, pool: KVSlotPool, ids: list[int], need_aux: bool = False, rows: int | None = None
     ) -> tuple[SlotState, torch.Tensor, torch.Tensor | None]:
         """:meth:`prefill` (the same forward as a solo sequence), its rows copied into a free slot of
-        ``pool``. Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
+        ``pool`` (of ``rows`` KV rows). Returns (state, next-token logits ``[V]``, aux ``[n, 3H]`` or None)."""
         solo, logits, aux = self.prefill(ids, need_aux=need_aux)
-        slot = pool.acquire()
+        slot = pool.acquire(rows)
         try:
             n = pool.load_prefix(slot, _cache(solo).layers)
         except BaseException:
@@ -337,14 +340,15 @@ class TargetModel:
         (the FLAT layout: a prompt is one more causal row of the packed pass)."""
         return self.batch_layout is BatchLayout.FLAT
 
-    def empty_slot(self, pool: KVSlotPool) -> SlotState:
-        """A free slot of ``pool`` holding nothing yet, for a prompt that :meth:`step_batch` prefills."""
+    def empty_slot(self, pool: KVSlotPool, rows: int | None = None) -> SlotState:
+        """A free slot of ``pool`` (of ``rows`` KV rows) holding nothing yet, for a prompt that
+        :meth:`step_batch` prefills."""
         if not self.folds_prefills:
             raise RuntimeError("prefills fold into the batched forward only in the FLAT layout "
                                "(use prefill_slot)")
         layers = self.lean.layers  # folds_prefills: the lean loop is there
         pool.allocate(layers.num_kv_heads, layers.head_dim, layers.dtype, layers.device)
-        return SlotState(pool=pool, slot=pool.acquire(), length=0, tokens=[])
+        return SlotState(pool=pool, slot=pool.acquire(rows), length=0, tokens=[])
 
     @torch.inference_mode()
     def verify_batch(
