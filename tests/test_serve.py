@@ -3,9 +3,9 @@
 The server runs as a subprocess (its own local Ray instance, Ray Serve's HTTP proxy on a free
 127.0.0.1 port) over a tiny random Llama saved to disk with a whitespace word tokenizer and a real
 chat template, in fp32, with the retrieval drafter and chunked prefill (as the shipped
-``serve_local.yaml``; the twin chunks alike). Its greedy outputs are compared token for token
-with the single-process twin (``generate_vanilla`` / ``generate_speculative`` on the same saved
-model). The word tokenizer makes text equality the same as token equality.
+``serve_local.yaml``; the twin chunks alike), and KV slots sized per request. Its greedy outputs
+are compared token for token with the single-process twin (``generate_vanilla`` /
+``generate_speculative`` on the same saved model). The word tokenizer makes text equality the same as token equality.
 
 * non-streamed and streamed chat and completions equal the twin; usage and the ``graftblock``
   statistics field are filled in; concurrent requests each equal their solo output;
@@ -144,8 +144,15 @@ PREFILL_CHUNK = 8
 live-server modules keep whole-prompt prefills, so both paths are served against a twin."""
 
 
+KV_TOKEN_BUDGET = 4096
+"""This module's server also sizes KV slots per request (``batch.kv_token_budget``): 4096 rows for
+4 slots of up to 1,628 (a 1500-token request and a short one fit together; four fixed slots would
+hold 6,512). The other live-server modules keep fixed slots."""
+
+
 class ChunkedServer(Server):
-    OVERRIDES = {"batch": {"prefill_chunk_tokens": PREFILL_CHUNK, "prefill_step_tokens": 2 * PREFILL_CHUNK}}
+    OVERRIDES = {"batch": {"prefill_chunk_tokens": PREFILL_CHUNK, "prefill_step_tokens": 2 * PREFILL_CHUNK,
+                           "kv_token_budget": KV_TOKEN_BUDGET}}
 
 
 @pytest.fixture(scope="module")
