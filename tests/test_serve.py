@@ -109,17 +109,34 @@ class Server:
         self.config_path = tmp / "serve.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config))
         self.log_path = tmp / "server.log"
+        self._launch()
+
+    def _launch(self) -> None:
         env = {**os.environ, **RAY_TEST_ENV}
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "graftblock", "serve", "--config", str(self.config_path)],
-            cwd=tmp, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=self.tmp, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.base = f"http://127.0.0.1:{self.port}"
+
+    def _relaunch_on_a_new_port(self) -> None:
+        """The free port was taken between ``free_port`` and Ray Serve's bind (seen once in CI, stop 54):
+        start again on another one."""
+        self.log.close()
+        self.port = free_port()
+        self.config["port"] = self.port
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        self._launch()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
+        retried = False
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if not retried and "Failed to bind to address" in self.log_path.read_text():
+                    retried = True
+                    self._relaunch_on_a_new_port()
+                    continue
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
             if "ready" in self.log_path.read_text():
                 return
