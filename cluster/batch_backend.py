@@ -56,7 +56,7 @@ import torch
 from cluster.backend import RayTargetBackend, ShardTimeoutError, wait_pipeline
 from speculation.config import BatchLayout
 from speculation.model.batch_target import SlotState
-from speculation.model.kv_slots import SlotsExhaustedError
+from speculation.model.kv_slots import SlotLedger
 from speculation.model.target import PrefillForward, TreeForward, check_step_rows, split_step_outputs
 from speculation.spec.tree import DraftTree
 from workers.shard import (
@@ -113,47 +113,21 @@ class ShardCallConfig:
             raise ValueError(f"shard_calls.max_recoveries must be an integer in [0, 100], got {m!r}")
 
 
-class RaySlotPool:
-    """The coordinator's ledger of one KV pool held by every shard: free slots, live sequences,
-    and the KV compactions not yet sent."""
+class RaySlotPool(SlotLedger):
+    """The coordinator's ledger of one KV pool held by every shard: free slots (fixed size, the
+    shards' :class:`~speculation.model.kv_slots.KVSlotPool` layout), live sequences, and the KV
+    compactions not yet sent."""
 
     def __init__(self, pool_id: str, max_sequences: int, max_tokens: int) -> None:
-        if max_sequences < 1 or max_tokens < 1:
-            raise ValueError("max_sequences and max_tokens must be >= 1")
+        super().__init__(max_sequences, max_tokens)
         self.pool_id = pool_id
-        self.max_sequences = max_sequences
-        self.max_tokens = max_tokens
-        self._free: list[int] = list(range(max_sequences - 1, -1, -1))  # pop() gives the lowest slot
         self.live: dict[int, RaySlotState] = {}
         self.compactions: list[Compaction] = []
 
-    @property
-    def free(self) -> int:
-        """Slots not held by a live sequence."""
-        return len(self._free)
-
-    def can_hold(self, rows: int) -> bool:
-        """Whether a slot for ``rows`` KV rows is free (every slot holds ``max_tokens``)."""
-        return bool(self._free) and rows <= self.max_tokens
-
-    def acquire(self, rows: int | None = None) -> int:
-        if rows is not None and not 1 <= rows <= self.max_tokens:
-            raise ValueError(f"rows must be in [1, {self.max_tokens}] (the slot size), got {rows}")
-        if not self._free:
-            raise SlotsExhaustedError(f"all {self.max_sequences} KV slots are held by live sequences")
-        return self._free.pop()
-
     def release(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.max_sequences:
-            raise ValueError(f"slot {slot} is not held")
+        super().release(slot)
         self.live.pop(slot, None)
         self.compactions = [c for c in self.compactions if c.slot != slot]
-        self._free.append(slot)
-        self._free.sort(reverse=True)
-
-    def capacity(self, slot: int) -> int:
-        """KV rows ``slot`` holds on every shard: the fixed slot size."""
-        return self.max_tokens
 
 
 RaySlotState = SlotState[RaySlotPool]

@@ -44,31 +44,18 @@ class SlotsExhaustedError(RuntimeError):
     """No free KV slot (callers check :attr:`KVSlotPool.free` before acquiring)."""
 
 
-class KVSlotPool:
-    """``max_sequences`` KV slots of ``max_tokens`` rows for every layer of one model.
+class SlotLedger:
+    """The slot bookkeeping every pool shares: ``max_sequences`` slots of ``max_tokens`` rows, the
+    free list (the lowest free slot is handed out first), and admission by rows. The in-process
+    pools below and the Ray coordinator's :class:`~cluster.batch_backend.RaySlotPool` build on it."""
 
-    Tensors are allocated once, at full size: on the first :meth:`load_prefix` (head count, head
-    size, dtype and device taken from the first prefill's cache) or an explicit :meth:`allocate`.
-
-    ``first_layer``: the model layer index of the pool's layer 0. A pipeline shard holding model
-    layers ``[first_layer, first_layer + num_layers)`` keeps only those; its batch cache answers
-    to the model's own layer indices (the layers before ``first_layer`` are empty placeholders).
-    """
-
-    def __init__(self, num_layers: int, max_sequences: int, max_tokens: int, first_layer: int = 0) -> None:
-        if num_layers < 1 or max_sequences < 1 or max_tokens < 1:
-            raise ValueError("num_layers, max_sequences and max_tokens must be >= 1")
-        if first_layer < 0:
-            raise ValueError(f"first_layer must be >= 0, got {first_layer}")
-        self.num_layers = num_layers
-        self.first_layer = first_layer
+    def __init__(self, max_sequences: int, max_tokens: int) -> None:
+        if max_sequences < 1 or max_tokens < 1:
+            raise ValueError("max_sequences and max_tokens must be >= 1")
         self.max_sequences = max_sequences
         self.max_tokens = max_tokens
-        self.keys: list[torch.Tensor] = []  # per layer [S, H_kv, L, D]
-        self.values: list[torch.Tensor] = []
         self._free: list[int] = list(range(max_sequences - 1, -1, -1))  # pop() gives the lowest slot
 
-    # ------------------------------------------------------------------ slots
     @property
     def free(self) -> int:
         """Slots not held by a live sequence."""
@@ -80,7 +67,7 @@ class KVSlotPool:
 
     def acquire(self, rows: int | None = None) -> int:
         """The lowest free slot; ``rows`` (at most ``max_tokens``): the KV rows its request needs
-        (every slot of this pool holds ``max_tokens``)."""
+        (every slot of a fixed pool holds ``max_tokens``)."""
         if rows is not None and not 1 <= rows <= self.max_tokens:
             raise ValueError(f"rows must be in [1, {self.max_tokens}] (the slot size), got {rows}")
         if not self._free:
@@ -96,6 +83,29 @@ class KVSlotPool:
     def capacity(self, slot: int) -> int:
         """KV rows ``slot`` holds (committed tokens plus the tree being verified)."""
         return self.max_tokens
+
+
+class KVSlotPool(SlotLedger):
+    """``max_sequences`` KV slots of ``max_tokens`` rows for every layer of one model.
+
+    Tensors are allocated once, at full size: on the first :meth:`load_prefix` (head count, head
+    size, dtype and device taken from the first prefill's cache) or an explicit :meth:`allocate`.
+
+    ``first_layer``: the model layer index of the pool's layer 0. A pipeline shard holding model
+    layers ``[first_layer, first_layer + num_layers)`` keeps only those; its batch cache answers
+    to the model's own layer indices (the layers before ``first_layer`` are empty placeholders).
+    """
+
+    def __init__(self, num_layers: int, max_sequences: int, max_tokens: int, first_layer: int = 0) -> None:
+        if num_layers < 1 or max_sequences < 1 or max_tokens < 1:
+            raise ValueError("num_layers, max_sequences and max_tokens must be >= 1")
+        if first_layer < 0:
+            raise ValueError(f"first_layer must be >= 0, got {first_layer}")
+        super().__init__(max_sequences, max_tokens)
+        self.num_layers = num_layers
+        self.first_layer = first_layer
+        self.keys: list[torch.Tensor] = []  # per layer [S, H_kv, L, D]
+        self.values: list[torch.Tensor] = []
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
